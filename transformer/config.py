@@ -1,0 +1,603 @@
+"""Typed run configuration: schema, YAML loading with `base:` inheritance, overrides, validation.
+
+A run is described by one frozen `Config` with one section per concern. Every field is typed, and
+the loader checks each value against its annotation before anything is built, so a user mistake
+becomes one `ConfigError` naming the key instead of a traceback from deep inside JAX.
+
+Derived values (head_dim when unset, the padded vocab, per-layer windows, DeepNet constants, ...)
+are resolved once here and exposed as fields or properties; nothing downstream recomputes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+# Sliding-window size given to "global" layers of a per-layer pattern inside the layer scan, where
+# the window is a traced value. Larger than any context this framework will see.
+GLOBAL_WINDOW = 2**30
+
+Norm = Literal["layernorm", "rmsnorm"]
+NormPosition = Literal["pre", "post", "sandwich", "deepnorm"]
+Ffn = Literal["relu", "gelu", "swiglu", "geglu", "reglu"]
+GATED_FFNS = ("swiglu", "geglu", "reglu")
+Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
+AttentionImpl = Literal["xla", "einsum", "cudnn"]
+LayerKind = Literal["local", "global"]
+Remat = Literal["none", "full", "dots", "dots_no_batch"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: `key` is the dotted path of the offending value."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+        self.message = message
+
+    def under(self, section: str) -> "ConfigError":
+        return ConfigError(f"{section}.{self.key}" if self.key else section, self.message)
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; otherwise GQA
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int | None = None  # None: 4*D for MLPs, 8*D/3 for gated FFNs, rounded up to ffn_multiple
+    ffn_multiple: int = 64
+    vocab_size: int = 259  # the tokenizer's vocabulary (byte tokenizer: 256 bytes + BOS, EOS, PAD)
+    vocab_multiple: int = 64  # the embedding table is padded up to a multiple of this
+    max_seq_len: int | None = None  # None: data.seq_len when loaded as part of a run config
+    window: int | None = None  # sliding-window size in tokens (a query sees itself and window-1 back)
+    attention_pattern: tuple[LayerKind, ...] | None = None  # cycled over layers, e.g. local,local,global
+    attention_impl: AttentionImpl = "xla"
+    attn_scale: float | None = None  # None: 1/sqrt(head_dim)
+    position: Position = "rope"
+    rope_theta: float = 10000.0
+    norm: Norm = "rmsnorm"
+    norm_position: NormPosition = "pre"
+    norm_eps: float = 1e-6
+    ffn: Ffn = "swiglu"
+    use_bias: bool = False
+    tie_embeddings: bool = True
+    dropout: float = 0.0  # on the embedding output and on each sublayer's output before the residual add
+    attn_dropout: float = 0.0  # on attention probabilities (einsum implementation only)
+    qk_norm: bool = False
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    init_std: float = 0.02
+    init_depth_scaled: bool = True  # residual output projections get init_std / sqrt(2 * n_layers)
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"  # compute dtype; softmax, norms and logits are always float32
+    scan_layers: bool = True
+    remat: Remat = "none"
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layers", "n_heads", "ffn_multiple", "vocab_size", "vocab_multiple"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        _check(
+            1 <= self.n_kv_heads <= self.n_heads,
+            "n_kv_heads",
+            f"must be between 1 and n_heads ({self.n_heads}), got {self.n_kv_heads}",
+        )
+        _check(
+            self.n_heads % self.n_kv_heads == 0,
+            "n_kv_heads",
+            f"n_heads ({self.n_heads}) is not a multiple of n_kv_heads ({self.n_kv_heads})",
+        )
+        if self.head_dim is None:
+            _check(
+                self.d_model % self.n_heads == 0,
+                "n_heads",
+                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); set model.head_dim",
+            )
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        _check(self.head_dim >= 1, "head_dim", f"must be >= 1, got {self.head_dim}")
+        if self.d_ff is None:
+            width = 8 * self.d_model / 3 if self.ffn in GATED_FFNS else 4 * self.d_model
+            object.__setattr__(self, "d_ff", _round_up(math.ceil(width), self.ffn_multiple))
+        _check(self.d_ff >= 1, "d_ff", f"must be >= 1, got {self.d_ff}")
+        if self.max_seq_len is not None:
+            _check(self.max_seq_len >= 1, "max_seq_len", f"must be >= 1, got {self.max_seq_len}")
+        _check(
+            self.position != "rope" or self.head_dim % 2 == 0,
+            "head_dim",
+            f"RoPE needs an even head_dim, got {self.head_dim}",
+        )
+        _check(
+            self.position != "sinusoidal" or self.d_model % 2 == 0,
+            "d_model",
+            f"sinusoidal positions need an even d_model, got {self.d_model}",
+        )
+        if self.window is not None:
+            _check(self.window >= 1, "window", f"must be >= 1 (or null for full attention), got {self.window}")
+        if self.attention_pattern is not None:
+            _check(len(self.attention_pattern) >= 1, "attention_pattern", "must name at least one layer kind")
+            _check(
+                self.window is not None,
+                "attention_pattern",
+                "a per-layer pattern needs model.window for its local layers",
+            )
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("attn_scale", "attn_softcap", "logit_softcap"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, name, f"must be > 0 or null, got {value}")
+        for name in ("dropout", "attn_dropout"):
+            value = getattr(self, name)
+            _check(0.0 <= value < 1.0, name, f"must be in [0, 1), got {value}")
+        # jax.nn.dot_product_attention has no hook for soft-capping or dropping attention weights.
+        if self.attention_impl != "einsum":
+            for name in ("attn_softcap", "attn_dropout"):
+                _check(
+                    not getattr(self, name),
+                    name,
+                    f"needs model.attention_impl=einsum (the {self.attention_impl} implementation has no hook for it)",
+                )
+        _check(
+            self.attention_impl != "cudnn" or self.dtype != "float32",
+            "attention_impl",
+            "cudnn attention runs in bfloat16 or float16; set model.dtype accordingly",
+        )
+        _check(
+            self.position != "learned" or self.max_seq_len is not None,
+            "max_seq_len",
+            "learned positions need a maximum length (model.max_seq_len or data.seq_len)",
+        )
+
+    # --- derived values -------------------------------------------------------------------------
+    @property
+    def n_kv_groups(self) -> int:
+        """G: query heads per kv head (N = K * G)."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        return _round_up(self.vocab_size, self.vocab_multiple)
+
+    @property
+    def gated_ffn(self) -> bool:
+        return self.ffn in GATED_FFNS
+
+    @property
+    def final_norm(self) -> bool:
+        # Post-LN and DeepNorm end every block on a norm already; Pre-LN and sandwich need one more.
+        return self.norm_position in ("pre", "sandwich")
+
+    @property
+    def norms_per_block(self) -> int:
+        return 4 if self.norm_position == "sandwich" else 2
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Sliding window of each layer (None = full causal attention)."""
+        if self.attention_pattern is None:
+            return (self.window,) * self.n_layers
+        kinds = [self.attention_pattern[i % len(self.attention_pattern)] for i in range(self.n_layers)]
+        return tuple(self.window if kind == "local" else None for kind in kinds)
+
+    @property
+    def deepnorm_alpha(self) -> float:
+        """DeepNet (Wang et al. 2022), decoder-only: residual scale alpha = (2L)^(1/4)."""
+        return (2 * self.n_layers) ** 0.25
+
+    @property
+    def deepnorm_beta(self) -> float:
+        """DeepNet, decoder-only: init gain beta = (8L)^(-1/4) for FFN, value and output projections."""
+        return (8 * self.n_layers) ** -0.25
+
+    @property
+    def residual_alpha(self) -> float:
+        return self.deepnorm_alpha if self.norm_position == "deepnorm" else 1.0
+
+    @property
+    def residual_init_std(self) -> float:
+        """Init std of the projections that write into the residual stream (attention out, FFN out)."""
+        if self.norm_position == "deepnorm":
+            return self.init_std * self.deepnorm_beta
+        if self.init_depth_scaled:
+            return self.init_std / math.sqrt(2 * self.n_layers)
+        return self.init_std
+
+    @property
+    def value_init_std(self) -> float:
+        return self.init_std * (self.deepnorm_beta if self.norm_position == "deepnorm" else 1.0)
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "builtin:stdlib"  # builtin:stdlib | hf:NAME[:CONFIG] | files:GLOB
+    tokenizer: str = "byte"  # byte | bpe | pretrained:PATH
+    vocab_size: int = 4096  # for tokenizer=bpe
+    seq_len: int = 256
+    text_field: str = "text"
+    train_split: str = "train"
+    val_split: str = "validation"
+    val_fraction: float = 0.01
+    document_mask: bool = False
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        _check(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
+        _check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
+        _check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+        _check(
+            self.source.split(":", 1)[0] in ("builtin", "hf", "files"),
+            "source",
+            f"must start with builtin:, hf: or files:, got {self.source!r}",
+        )
+        _check(
+            self.tokenizer in ("byte", "bpe") or self.tokenizer.startswith("pretrained:"),
+            "tokenizer",
+            f"must be byte, bpe or pretrained:PATH, got {self.tokenizer!r}",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: Literal["adamw", "adam", "lion", "adafactor", "sgd"] = "adamw"
+    lr: float = 3e-3
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    clip_norm: float | None = 1.0
+
+    def __post_init__(self):
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("b1", "b2"):
+            _check(0.0 <= getattr(self, name) < 1.0, name, f"must be in [0, 1), got {getattr(self, name)}")
+        _check(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", f"must be > 0 or null, got {self.clip_norm}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16  # global batch, in sequences
+    grad_accum: int = 1
+    seed: int = 0
+    eval_every: int = 200
+    eval_batches: int = 8
+    z_loss: float = 0.0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(
+            self.batch_size % self.grad_accum == 0,
+            "grad_accum",
+            f"batch_size ({self.batch_size}) is not divisible by grad_accum ({self.grad_accum})",
+        )
+        _check(self.z_loss >= 0, "z_loss", f"must be >= 0, got {self.z_loss}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # -1: all devices left over by the other axes
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = dataclasses.asdict(self)
+        for name, size in sizes.items():
+            _check(size == -1 or size >= 1, name, f"must be >= 1 or -1 (fill), got {size}")
+        _check(list(sizes.values()).count(-1) <= 1, "data", "at most one mesh axis may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 200
+    keep: int = 2
+    keep_best: int = 1
+    async_: bool = dataclasses.field(default=True, metadata={"key": "async"})
+
+    def __post_init__(self):
+        _check(self.every >= 1, "every", f"must be >= 1, got {self.every}")
+        _check(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+        _check(self.keep_best >= 0, "keep_best", f"must be >= 0, got {self.keep_best}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorConfig:
+    window: int = 128
+    threshold: float = 6.0
+    on_spike: Literal["log", "skip", "rollback"] = "log"
+    divergence_steps: int = 200
+    skip_batches: int = 200
+    lr_factor: float = 1.0
+    cooldown: int = 0
+    max_rollbacks: int = 3
+    max_nonfinite: int = 5
+    stats_every: int = 0  # 0: per-layer stability statistics off
+
+    def __post_init__(self):
+        for name in ("window", "divergence_steps", "max_nonfinite"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("skip_batches", "cooldown", "max_rollbacks", "stats_every"):
+            _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        _check(self.threshold > 0, "threshold", f"must be > 0, got {self.threshold}")
+        _check(self.lr_factor > 0, "lr_factor", f"must be > 0, got {self.lr_factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 10
+    tensorboard: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        _check(self.every >= 1, "every", f"must be >= 1, got {self.every}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def __post_init__(self):
+        m = self.model
+        if m.max_seq_len is None:
+            object.__setattr__(self, "model", dataclasses.replace(m, max_seq_len=self.data.seq_len))
+            m = self.model
+        _check(
+            self.data.seq_len <= m.max_seq_len,
+            "data.seq_len",
+            f"{self.data.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
+        )
+        tensor = self.mesh.tensor
+        if tensor > 1:
+            for what, size in (
+                ("model.n_heads", m.n_heads),
+                ("model.n_kv_heads", m.n_kv_heads),
+                ("model.d_ff", m.d_ff),
+                ("the padded vocab (model.vocab_multiple)", m.padded_vocab),
+            ):
+                _check(size % tensor == 0, "mesh.tensor", f"{tensor} does not divide {what} = {size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --- schema walking ------------------------------------------------------------------------------
+
+
+def _yaml_key(field: dataclasses.Field) -> str:
+    return field.metadata.get("key", field.name)
+
+
+def _to_dict(obj) -> dict[str, Any]:
+    out = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if dataclasses.is_dataclass(value):
+            value = _to_dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[_yaml_key(field)] = value
+    return out
+
+
+def all_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every valid dotted key of the schema, e.g. 'model.n_heads'."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        key = prefix + _yaml_key(field)
+        if dataclasses.is_dataclass(hints[field.name]):
+            keys += all_keys(hints[field.name], key + ".")
+        else:
+            keys.append(key)
+    return keys
+
+
+def _closest(key: str) -> str:
+    candidates = all_keys()
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if not match:  # a key written without its section, or in the wrong one: match the last part
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in candidates}
+        leaf_match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
+        match = [by_leaf[leaf_match[0]]] if leaf_match else []
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of ({_describe(typing.get_args(tp)[0])})"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value, tp, key: str):
+    """Check `value` (as parsed from YAML) against annotation `tp`; return it in the schema's type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices and not isinstance(value, bool):
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(key, f"{value!r} is not one of {', '.join(map(str, choices))}{hint}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
+        (item,) = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
+
+
+def from_dict(raw: dict[str, Any], cls=Config, prefix: str = ""):
+    """Build a schema dataclass from plain data, checking every key, type and range."""
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix.rstrip("."), f"expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {_yaml_key(f): f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(prefix + str(key), "unknown key" + _closest(prefix + str(key)))
+    kwargs = {}
+    for key, value in raw.items():
+        field = fields[key]
+        tp = hints[field.name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[field.name] = from_dict(value if value is not None else {}, tp, prefix + key + ".")
+        else:
+            kwargs[field.name] = _coerce(value, tp, prefix + key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise (e.under(prefix.rstrip(".")) if prefix and not e.key.startswith(prefix) else e) from None
+
+
+# --- files and overrides -------------------------------------------------------------------------
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(p.name for p in chain + (path,))
+        raise ConfigError("base", f"inheritance cycle: {cycle}")
+    if not path.is_file():
+        where = f" (base of {chain[-1].name})" if chain else ""
+        raise ConfigError("", f"config file not found: {path}{where}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError("", f"invalid YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError("base", f"expected a path to another YAML file, got {base!r}")
+    return _merge(_read_yaml(path.parent / base, chain + (path,)), raw)
+
+
+def _merge(base: dict, child: dict) -> dict:
+    out = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'model.window=128' -> (['model', 'window'], 128); the value is parsed as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError("", f"override {text!r} is not of the form key.path=value")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(key, f"cannot parse the value {value!r} as YAML") from None
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    raw = _merge({}, raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(".".join(path[: i + 1]), "is a value, not a section")
+            else:
+                child = node[part] = dict(child)
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML run config (following `base:` links), apply `key.path=value` overrides, validate."""
+    raw = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG)
+    return from_dict(apply_overrides(raw, overrides))

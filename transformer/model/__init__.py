@@ -1,0 +1,3 @@
+from transformer.model.transformer import Block, Transformer
+
+__all__ = ["Block", "Transformer"]

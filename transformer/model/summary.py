@@ -1,0 +1,120 @@
+"""Model summary: parameters by component, FLOPs per token and KV-cache bytes per token.
+
+`count_params` is the closed form; tests hold it against the real parameter tree over a grid of
+configurations, so the numbers printed by `--dry-run` and used for MFU can be trusted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from transformer.config import ModelConfig
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Closed-form parameter count.
+
+    MHA with d_ff = 4D, no biases and tied embeddings gives the textbook 12*L*D^2 + V*D, plus the
+    norm and position parameters; every other variant changes one term below.
+    """
+    D, L, V, F = cfg.d_model, cfg.n_layers, cfg.padded_vocab, cfg.d_ff
+    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    norm = D * (2 if cfg.norm == "layernorm" else 1)
+    attention = D * (N + 2 * K) * H + N * H * D
+    attention += ((N + 2 * K) * H + D) if cfg.use_bias else 0
+    attention += 2 * H if cfg.qk_norm else 0
+    ffn_in = (2 if cfg.gated_ffn else 1) * F
+    ffn = D * ffn_in + F * D + ((ffn_in + D) if cfg.use_bias else 0)
+    per_layer = attention + ffn + cfg.norms_per_block * norm
+    total = V * D + L * per_layer
+    total += cfg.max_seq_len * D if cfg.position == "learned" else 0
+    total += norm if cfg.final_norm else 0
+    total += 0 if cfg.tie_embeddings else D * V
+    return total
+
+
+def abstract_model(cfg: ModelConfig):
+    """The model with shapes only (nothing allocated): cheap even for billions of parameters."""
+    from transformer.model.transformer import Transformer
+
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def _component(path: tuple) -> str:
+    names = [str(p) for p in path]
+    if names[0] == "embed":
+        return "embedding"
+    if names[0] == "pos_embed":
+        return "positions"
+    if names[0] == "head":
+        return "output head"
+    if "norm" in names[-2] or "norm" in names[0]:
+        return "norms"
+    if names[0] == "blocks":
+        return {"attn": "attention", "ffn": "ffn"}[names[1]]
+    raise ValueError(f"unclassified parameter {'/'.join(names)}")
+
+
+def params_by_component(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts of the real (abstract) parameter tree, grouped by component."""
+    counts: dict[str, int] = {}
+    for path, leaf in nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param)):
+        name = _component(path)
+        counts[name] = counts.get(name, 0) + math.prod(leaf.get_value().shape)
+    return counts
+
+
+def mean_attended_keys(cfg: ModelConfig, seq_len: int) -> float:
+    """Keys a query attends to, averaged over positions and layers (causal: about T/2, once)."""
+    total = 0
+    for window in cfg.layer_windows:
+        w = seq_len if window is None else min(window, seq_len)
+        # position t sees min(t + 1, w) keys
+        total += w * (w + 1) // 2 + (seq_len - w) * w
+    return total / (cfg.n_layers * seq_len)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), matmuls only.
+
+    Each weight used in a matmul costs 2 FLOPs per token forward (the input embedding is a lookup
+    and costs none; the output head does, tied or not). Attention scores and the weighted sum cost
+    2 * 2 * N * H per attended key, counting only the causal (unmasked) half.
+    """
+    D, L, V, F = cfg.d_model, cfg.n_layers, cfg.padded_vocab, cfg.d_ff
+    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    matmul_params = L * (D * (N + 2 * K) * H + N * H * D + (3 if cfg.gated_ffn else 2) * D * F) + D * V
+    forward = 2 * matmul_params + L * 4 * N * H * mean_attended_keys(cfg, seq_len)
+    return 3 * forward
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
+    """2 (K and V) * L * K * H * bytes per element, in the compute dtype."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def summary_text(cfg: ModelConfig, seq_len: int) -> str:
+    by_component = params_by_component(cfg)
+    total = sum(by_component.values())
+    windows = cfg.layer_windows
+    attention = "MHA" if cfg.n_kv_heads == cfg.n_heads else "MQA" if cfg.n_kv_heads == 1 else "GQA"
+    if any(w is not None for w in windows):
+        attention += f", sliding window {cfg.window}"
+        if cfg.attention_pattern:
+            attention += f" in pattern {','.join(cfg.attention_pattern)}"
+    lines = [
+        f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads / {cfg.n_kv_heads} kv heads "
+        f"of {cfg.head_dim} ({attention}), ffn {cfg.ffn} d_ff {cfg.d_ff}, positions {cfg.position}, "
+        f"{cfg.norm} {cfg.norm_position}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab})",
+        "parameters by component:",
+    ]
+    for name, count in sorted(by_component.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {name:<12} {count:>15,}  {100 * count / total:5.1f}%")
+    lines.append(f"  {'total':<12} {total:>15,}")
+    lines.append(f"FLOPs per token (forward+backward, seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
+    kv = kv_cache_bytes_per_token(cfg)
+    lines.append(f"KV cache per token: {kv:,} bytes ({cfg.dtype}; 2*L*K*H*bytes)")
+    return "\n".join(lines)

@@ -1,0 +1,154 @@
+"""The decoder-only Transformer: embedding, a stack of blocks (scanned by default), output head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from transformer.config import GLOBAL_WINDOW, ModelConfig
+from transformer.model.attention import MASK_VALUE, Attention
+from transformer.model.layers import FFN, Norm, dropout, normal_param, sinusoidal
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Block(nnx.Module):
+    """One attention sublayer and one FFN sublayer, each wrapped by the configured norm placement."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ffn = FFN(cfg, rngs=rngs)
+        self.attn_norm = Norm(cfg)
+        self.ffn_norm = Norm(cfg)
+        sandwich = cfg.norm_position == "sandwich"
+        self.attn_out_norm = Norm(cfg) if sandwich else None
+        self.ffn_out_norm = Norm(cfg) if sandwich else None
+
+    def residual(self, x, sublayer, norm, out_norm, key):
+        """The one place where norm placement is decided."""
+        rate = self.cfg.dropout
+        match self.cfg.norm_position:
+            case "pre":  # x + f(N(x))
+                return x + dropout(sublayer(norm(x)), rate, key)
+            case "post":  # N(x + f(x)), the original Transformer
+                return norm(x + dropout(sublayer(x), rate, key))
+            case "sandwich":  # x + N2(f(N1(x))), a.k.a. peri-LN
+                return x + dropout(out_norm(sublayer(norm(x))), rate, key)
+            case "deepnorm":  # N(alpha*x + f(x)), DeepNet
+                return norm(self.cfg.residual_alpha * x + dropout(sublayer(x), rate, key))
+        raise AssertionError(self.cfg.norm_position)
+
+    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, window, key=None):
+        keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
+        attend = lambda h: self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0])  # noqa: E731
+        x_BxTxD = self.residual(x_BxTxD, attend, self.attn_norm, self.attn_out_norm, keys[1])
+        return self.residual(x_BxTxD, self.ffn, self.ffn_norm, self.ffn_out_norm, keys[2])
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """L blocks whose parameters are stacked on a leading `layers` axis, ready for `lax.scan`."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
+    keys_L = jax.random.split(rngs.params(), cfg.n_layers)
+    state = jax.vmap(lambda k: nnx.state(Block(cfg, rngs=nnx.Rngs(k))))(keys_L)
+    state = jax.tree.map(
+        lambda v: v.replace(axes=("layers",) + v.axes),
+        state,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
+    return nnx.merge(graphdef, state)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        V, D = cfg.padded_vocab, cfg.d_model
+        self.embed = normal_param(rngs, (V, D), ("vocab", "embed"), cfg.init_std, cfg)
+        if cfg.position == "learned":
+            self.pos_embed = normal_param(rngs, (cfg.max_seq_len, D), (None, "embed"), cfg.init_std, cfg)
+        else:
+            self.pos_embed = None
+        self.blocks = _stacked_blocks(cfg, rngs)
+        self.final_norm = Norm(cfg) if cfg.final_norm else None
+        self.head = None if cfg.tie_embeddings else normal_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, cfg)
+
+    def embed_tokens(self, tokens_BxT, positions_BxT) -> jax.Array:
+        cfg = self.cfg
+        x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.dtype)
+        if self.pos_embed is not None:
+            x_BxTxD = x_BxTxD + jnp.take(self.pos_embed[...], positions_BxT, axis=0).astype(cfg.dtype)
+        elif cfg.position == "sinusoidal":
+            x_BxTxD = x_BxTxD + sinusoidal(positions_BxT, cfg.d_model).astype(cfg.dtype)
+        return x_BxTxD
+
+    def run_blocks(self, x_BxTxD, positions_BxT, segment_ids_BxT=None, key=None) -> jax.Array:
+        """The block stack on embeddings x, then the final norm where the placement has one."""
+        cfg = self.cfg
+        graphdef, state = nnx.split(self.blocks)
+        keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
+        windows = cfg.layer_windows
+
+        def block(x, state_l, key_l, window):
+            return nnx.merge(graphdef, state_l)(x, positions_BxT, segment_ids_BxT, window, key_l)
+
+        def remat(f, static_argnums):
+            if cfg.remat == "none":
+                return f
+            return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], static_argnums=static_argnums)
+
+        if not cfg.scan_layers:
+            step = remat(block, (3,))
+            for i in range(cfg.n_layers):
+                state_l = jax.tree.map(lambda a: a[i], state)
+                x_BxTxD = step(x_BxTxD, state_l, None if keys_L is None else keys_L[i], windows[i])
+        elif len(set(windows)) == 1:  # one window for every layer: keep it static
+            step = remat(block, (3,))
+            body = lambda x, xs: (step(x, *xs, windows[0]), None)  # noqa: E731
+            x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (state, keys_L))
+        else:  # a per-layer pattern: the window becomes a scanned value
+            step = remat(block, ())
+            windows_L = jnp.asarray([GLOBAL_WINDOW if w is None else w for w in windows], jnp.int32)
+            body = lambda x, xs: (step(x, *xs), None)  # noqa: E731
+            x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (state, keys_L, windows_L))
+        if self.final_norm is not None:
+            x_BxTxD = self.final_norm(x_BxTxD)
+        return x_BxTxD
+
+    def logits(self, x_BxTxD) -> jax.Array:
+        """Float32 logits; the padding rows of the vocab are masked out so perplexity stays honest."""
+        cfg = self.cfg
+        if self.head is None:
+            logits_BxTxV = jnp.einsum(
+                "BTD,VD->BTV", x_BxTxD, self.embed[...].astype(x_BxTxD.dtype), preferred_element_type=jnp.float32
+            )
+        else:
+            logits_BxTxV = jnp.einsum(
+                "BTD,DV->BTV", x_BxTxD, self.head[...].astype(x_BxTxD.dtype), preferred_element_type=jnp.float32
+            )
+        if cfg.logit_softcap is not None:
+            logits_BxTxV = cfg.logit_softcap * jnp.tanh(logits_BxTxV / cfg.logit_softcap)
+        if cfg.padded_vocab != cfg.vocab_size:
+            logits_BxTxV = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits_BxTxV, MASK_VALUE)
+        return logits_BxTxV
+
+    def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, key=None) -> jax.Array:
+        """Logits [B, T, V] for every position (teacher forcing).
+
+        positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
+        segment_ids_BxT: document ids, attention never crosses a change of id;
+        key: dropout randomness; None runs deterministically (evaluation).
+        """
+        B, T = tokens_BxT.shape
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        embed_key = block_key = None
+        if key is not None:
+            embed_key, block_key = jax.random.split(key)
+        x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
+        x_BxTxD = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key)
+        return self.logits(x_BxTxD)
