@@ -33,7 +33,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    args = train_parser().parse_args(argv)
+    args = train_parser().parse_intermixed_args(argv)
     # A first positional with '=' is an override, not a file: `train.py model.window=64` works too.
     if args.config is not None and "=" in args.config:
         args.overrides.insert(0, args.config)

@@ -436,14 +436,24 @@ def all_keys(cls=Config, prefix: str = "") -> list[str]:
 
 
 def _closest(key: str) -> str:
-    candidates = all_keys()
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    if not match:  # a key written without its section, or in the wrong one: match the last part
-        leaf = key.rsplit(".", 1)[-1]
-        by_leaf = {k.rsplit(".", 1)[-1]: k for k in candidates}
+    sections = [f.name for f in dataclasses.fields(Config)]
+    by_leaf = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+    leaf = key.rsplit(".", 1)[-1]
+    if "." in key and leaf in by_leaf:  # a valid key put in the wrong section
+        return f" (did you mean {by_leaf[leaf]}?)"
+    match = difflib.get_close_matches(key, all_keys() + sections, n=1, cutoff=0.6)
+    if not match:  # a key written without its section: match the last part
         leaf_match = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
         match = [by_leaf[leaf_match[0]]] if leaf_match else []
     return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _closest_choice(value: str, choices: tuple) -> str:
+    names = [str(c) for c in choices]
+    # 'prenorm' means 'pre', though 'deepnorm' is the closer string
+    prefixed = [c for c in names if value.startswith(c) or c.startswith(value)]
+    close = prefixed[:1] or difflib.get_close_matches(value, names, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _describe(tp) -> str:
@@ -457,6 +467,20 @@ def _describe(tp) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
+def _number(value) -> float | None:
+    """A finite float from a YAML number, or from a string such as '3e-4' (YAML 1.1 wants a dot)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def _coerce(value, tp, key: str):
     """Check `value` (as parsed from YAML) against annotation `tp`; return it in the schema's type."""
     origin = typing.get_origin(tp)
@@ -464,21 +488,20 @@ def _coerce(value, tp, key: str):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # X | None: X's own, more precise, error
+            return _coerce(value, options[0], key)
+        for arg in options:
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                pass
         raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices and not isinstance(value, bool):
             return value
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        hint = _closest_choice(str(value), choices)
         raise ConfigError(key, f"{value!r} is not one of {', '.join(map(str, choices))}{hint}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
@@ -491,16 +514,13 @@ def _coerce(value, tp, key: str):
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-            return int(value)
+        number = _number(value)
+        if number is not None and number.is_integer() and abs(number) < 2**53:
+            return int(number)
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = _number(value)
+        if number is not None:
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -517,7 +537,18 @@ def from_dict(raw: dict[str, Any], cls=Config, prefix: str = ""):
         if key not in fields:
             raise ConfigError(prefix + str(key), "unknown key" + _closest(prefix + str(key)))
     kwargs = {}
+    if cls is Config:
+        # The model's context defaults to the data's sequence length: build data first, so that a
+        # model needing the length (learned positions) is validated with it.
+        data = kwargs["data"] = from_dict(raw.get("data") or {}, DataConfig, "data.")
+        model = raw.get("model") or {}
+        if isinstance(model, dict) and model.get("max_seq_len") is None:
+            model = dict(model)
+            model["max_seq_len"] = data.seq_len
+        raw = {**raw, "model": model}
     for key, value in raw.items():
+        if key in kwargs:
+            continue
         field = fields[key]
         tp = hints[field.name]
         if dataclasses.is_dataclass(tp):

@@ -1,0 +1,39 @@
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from transformer.config import ModelConfig  # noqa: E402
+from transformer.model import Transformer  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# The attention variants every model-level property is checked over.
+ATTENTION_VARIANTS = {
+    "mha": dict(n_kv_heads=4),
+    "gqa": dict(n_kv_heads=2),
+    "mqa": dict(n_kv_heads=1),
+    "window": dict(n_kv_heads=2, window=3),
+    "pattern": dict(window=3, attention_pattern=("local", "global")),
+}
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
+NORM_POSITIONS = ("pre", "post", "sandwich", "deepnorm")
+
+
+def tiny(**overrides) -> ModelConfig:
+    """A model small enough to compile in about a second on a 2-core CPU."""
+    kw = dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=61, vocab_multiple=16, ffn_multiple=16)
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+@pytest.fixture
+def key():
+    return jax.random.key(0)

@@ -1,0 +1,86 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from transformer.config import DEFAULT_CONFIG, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SUMMARY_LINES = ("parameters by component", "FLOPs per token", "KV cache per token")
+
+
+def train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def resolved_config(stdout: str) -> dict:
+    return yaml.safe_load(stdout.split("\n\n", 1)[0])
+
+
+def assert_dry_run(result: subprocess.CompletedProcess, expected: dict) -> None:
+    assert result.returncode == 0, result.stderr
+    assert resolved_config(result.stdout) == expected
+    for line in SUMMARY_LINES:
+        assert line in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def assert_usage_error(result: subprocess.CompletedProcess, *names: str) -> None:
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for name in names:
+        assert name in lines[0]
+    assert result.returncode == 2
+
+
+def test_dry_run_prints_resolved_config_and_summary():
+    assert_dry_run(train("--dry-run"), load_config().to_dict())
+
+
+def test_first_positional_may_be_an_override():
+    overrides = ["model.n_layers=2", "optim.lr=3e-4"]
+    result = train(*overrides, "--dry-run")
+    assert_dry_run(result, load_config(None, overrides).to_dict())
+    assert resolved_config(result.stdout)["model"]["n_layers"] == 2
+
+
+def test_config_file_and_overrides(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {DEFAULT_CONFIG}\nmodel:\n  n_layers: 3\n")
+    overrides = ["model.n_heads=8", "model.window=null"]
+    result = train(str(child), *overrides, "--dry-run")
+    assert_dry_run(result, load_config(child, overrides).to_dict())
+    assert resolved_config(result.stdout)["model"]["n_layers"] == 3
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["model.n_head=4"], ["model.n_head", "model.n_heads"]),
+        (["model.n_layers=abc"], ["model.n_layers"]),
+        (["model.n_kv_heads=3"], ["model.n_kv_heads"]),
+        (["does-not-exist.yaml"], ["does-not-exist.yaml"]),
+        (["--bogus"], ["--bogus"]),
+        (["configs/default.yaml", "model.n_layers"], ["model.n_layers"]),
+    ],
+    ids=["unknown-key", "wrong-type", "impossible-combination", "missing-file", "unknown-option", "malformed-override"],
+)
+def test_user_mistake_exits_2_with_one_line(args, names):
+    assert_usage_error(train(*args, "--dry-run"), *names)
+
+
+def test_invalid_yaml_exits_2_naming_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n\td_model: 3\n")
+    assert_usage_error(train(str(bad), "--dry-run"), f"{bad}:2")

@@ -1,0 +1,416 @@
+import functools
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from transformer.config import DEFAULT_CONFIG, Config, ConfigError, ModelConfig, from_dict, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))
+
+
+def load(*overrides: str, path: Path | None = None) -> Config:
+    return load_config(path, list(overrides))
+
+
+def load_error(*overrides: str, path: Path | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load(*overrides, path=path)
+    return info.value
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def get(cfg: Config, key: str):
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+# --- inheritance ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chain(tmp_path: Path) -> Path:
+    """root.yaml <- a/mid.yaml <- a/b/leaf.yaml, each `base:` relative to its own file."""
+    write(
+        tmp_path / "root.yaml",
+        """
+        model:
+          d_model: 256
+          n_layers: 8
+          n_heads: 8
+          window: 64
+          attention_pattern: [local, local, global]
+        train:
+          steps: 100
+          batch_size: 32
+        """,
+    )
+    write(
+        tmp_path / "a" / "mid.yaml",
+        """
+        base: ../root.yaml
+        model:
+          n_layers: 6
+          attention_pattern: [local, global]
+        train:
+          steps: 200
+        """,
+    )
+    return write(
+        tmp_path / "a" / "b" / "leaf.yaml",
+        """
+        base: ../mid.yaml
+        model:
+          n_layers: 2
+        optim:
+          lr: 1.0e-3
+        """,
+    )
+
+
+def test_base_chain_merges_child_over_parent(chain, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path / "a")
+    cfg = load(path=chain)
+    assert cfg.model.n_layers == 2
+    assert cfg.model.d_model == 256
+    assert cfg.model.n_heads == 8
+    assert cfg.model.window == 64
+    assert cfg.model.attention_pattern == ("local", "global")
+    assert cfg.train.steps == 200
+    assert cfg.train.batch_size == 32
+    assert cfg.optim.lr == 0.001
+    assert cfg.optim.warmup_steps == Config().optim.warmup_steps
+
+
+def test_overrides_apply_on_top_of_inherited_values(chain):
+    cfg = load("model.n_layers=5", "train.batch_size=8", path=chain)
+    assert (cfg.model.n_layers, cfg.model.d_model) == (5, 256)
+    assert (cfg.train.batch_size, cfg.train.steps) == (8, 200)
+
+
+def test_base_can_point_at_the_shipped_default(tmp_path):
+    child = write(tmp_path / "child.yaml", f"base: {DEFAULT_CONFIG}\nmodel:\n  n_layers: 3\n")
+    cfg = load(path=child)
+    assert cfg.model.n_layers == 3
+    assert cfg.train.steps == load().train.steps
+
+
+@pytest.mark.parametrize(
+    "files, cycle",
+    [
+        ({"a.yaml": "base: b.yaml", "b.yaml": "base: a.yaml"}, "a.yaml -> b.yaml -> a.yaml"),
+        ({"a.yaml": "base: a.yaml"}, "a.yaml -> a.yaml"),
+    ],
+    ids=["a-b-a", "self"],
+)
+def test_inheritance_cycle_is_refused(tmp_path, files, cycle):
+    for name, text in files.items():
+        write(tmp_path / name, text)
+    error = load_error(path=tmp_path / "a.yaml")
+    assert error.key == "base"
+    assert "cycle" in error.message
+    assert cycle in error.message
+
+
+def test_missing_base_names_the_file(tmp_path):
+    child = write(tmp_path / "child.yaml", "base: missing.yaml\n")
+    message = str(load_error(path=child))
+    assert "missing.yaml" in message
+    assert "child.yaml" in message
+
+
+def test_missing_config_file_names_the_file(tmp_path):
+    assert "nope.yaml" in str(load_error(path=tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize("via_base", [False, True])
+def test_invalid_yaml_names_file_and_line(tmp_path, via_base):
+    bad = write(tmp_path / "bad.yaml", "# comment\nmodel:\n\td_model: 3\n")
+    path = write(tmp_path / "child.yaml", "base: bad.yaml\n") if via_base else bad
+    message = str(load_error(path=path))
+    assert f"{bad}:3" in message
+
+
+def test_unknown_key_in_a_file_is_reported_with_its_dotted_path(tmp_path):
+    path = write(tmp_path / "c.yaml", "model:\n  n_head: 4\n")
+    error = load_error(path=path)
+    assert error.key == "model.n_head"
+    assert "model.n_heads" in error.message
+
+
+def test_file_that_is_not_a_mapping_is_refused(tmp_path):
+    with pytest.raises(ConfigError):
+        load(path=write(tmp_path / "list.yaml", "- 1\n- 2\n"))
+
+
+def test_empty_file_gives_schema_defaults(tmp_path):
+    assert load(path=write(tmp_path / "empty.yaml", "")) == Config()
+
+
+# --- overrides -----------------------------------------------------------------------------------
+
+
+OVERRIDES = [
+    (["model.window=64", "model.window=null"], "model.window", None),
+    (["optim.clip_norm=null"], "optim.clip_norm", None),
+    (["optim.lr=3e-4"], "optim.lr", 0.0003),
+    (["optim.lr=1.5e-3"], "optim.lr", 0.0015),
+    (["model.dropout=0"], "model.dropout", 0.0),
+    (["model.window=8", "model.attention_pattern=[local,global]"], "model.attention_pattern", ("local", "global")),
+    (["model.n_layers=2.0"], "model.n_layers", 2),
+    (["model.qk_norm=true"], "model.qk_norm", True),
+    (["data.cache_dir=some/dir"], "data.cache_dir", "some/dir"),
+    (["train.seed=7", "train.seed=8"], "train.seed", 8),
+]
+
+
+@pytest.mark.parametrize("overrides, key, expected", OVERRIDES, ids=[" ".join(case[0]) for case in OVERRIDES])
+def test_override_values_are_parsed_as_yaml_and_coerced(overrides, key, expected):
+    value = get(load(*overrides), key)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.n_layers=abc", "model.n_layers"),
+        ("model.n_layers=true", "model.n_layers"),
+        ("model.n_layers=2.5", "model.n_layers"),
+        ("model.n_layers=[2]", "model.n_layers"),
+        ("optim.lr=abc", "optim.lr"),
+        ("optim.lr=false", "optim.lr"),
+        ("model.qk_norm=3", "model.qk_norm"),
+        ("data.source=7", "data.source"),
+        ("model.window=abc", "model.window"),
+        ("model=3", "model"),
+    ],
+)
+def test_override_of_wrong_type_is_refused(override, key):
+    assert load_error(override).key == key
+
+
+@pytest.mark.parametrize(
+    "override", ["model.n_layers", "model.window", "=3", "model..n_layers=3", ".n_layers=3", "model.=3"]
+)
+def test_malformed_override_is_refused(override):
+    assert override in str(load_error(override))
+
+
+def test_override_into_a_value_is_refused():
+    assert load_error("model.d_model.x=1", "model.d_model=64").key == "model.d_model"
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+INVALID = [
+    (["model.n_head=4"], "model.n_head", "model.n_heads"),
+    (["model.layers=2"], "model.layers", "model.n_layers"),
+    (["train.lr=0.1"], "train.lr", "optim.lr"),
+    (["train.warmup_steps=10"], "train.warmup_steps", "optim.warmup_steps"),
+    (["nosuchsection.x=1"], "nosuchsection", "unknown"),
+    (["model.n_layers=abc"], "model.n_layers", "abc"),
+    (["model.dropout=1.5"], "model.dropout", "1.5"),
+    (["train.steps=0"], "train.steps", ">= 1"),
+    (["model.window=0"], "model.window", ">= 1"),
+    (["optim.lr=0"], "optim.lr", "> 0"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads", "multiple"),
+    (["model.n_kv_heads=8"], "model.n_kv_heads", "n_heads"),
+    (["model.head_dim=7"], "model.head_dim", "even"),
+    (
+        ["model.position=sinusoidal", "model.d_model=129", "model.n_heads=3", "model.n_kv_heads=3"],
+        "model.d_model",
+        "even",
+    ),
+    (["model.attention_pattern=[local,global]"], "model.attention_pattern", "model.window"),
+    (["model.window=64", "model.attention_pattern=[local,foo]"], "model.attention_pattern[1]", "foo"),
+    (["model.window=64", "model.attention_pattern=[]"], "model.attention_pattern", "at least one"),
+    (["mesh.tensor=3"], "mesh.tensor", "model.n_heads"),
+    (["data.seq_len=512", "model.max_seq_len=256"], "data.seq_len", "model.max_seq_len"),
+    (["train.grad_accum=3"], "train.grad_accum", "batch_size"),
+    (["model.attn_softcap=30"], "model.attn_softcap", "einsum"),
+    (["model.attention_impl=cudnn"], "model.attention_impl", "model.dtype"),
+    (["model.norm_position=sandwhich"], "model.norm_position", "did you mean sandwich?"),
+    (["model.norm=batchnorm"], "model.norm", "layernorm, rmsnorm"),
+    (["model.n_heads=3", "model.n_kv_heads=3"], "model.n_heads", "model.head_dim"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, fragment", INVALID, ids=[" ".join(case[0]) for case in INVALID])
+def test_invalid_config_names_the_key(overrides, key, fragment):
+    error = load_error(*overrides)
+    assert error.key == key
+    assert fragment in error.message
+    assert str(error) == f"{key}: {error.message}"
+
+
+def test_misspelled_section_suggests_the_section():
+    error = load_error("modle.n_layers=2")
+    assert error.key == "modle"
+    assert "model" in error.message
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("model.norm_position=prenorm", "pre"),
+        ("model.norm_position=postnorm", "post"),
+        ("model.ffn=swiglue", "swiglu"),
+        ("model.position=ropes", "rope"),
+    ],
+)
+def test_unknown_choice_lists_choices_and_suggests_the_closest(override, suggestion):
+    key, value = override.split("=")
+    error = load_error(override)
+    assert error.key == key
+    assert repr(value) in error.message
+    assert f"did you mean {suggestion}?" in error.message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.n_heads=8", "model.n_kv_heads=2", "mesh.tensor=2"],
+        ["model.n_kv_heads=1"],
+        ["model.window=32", "model.attention_pattern=[local,global]"],
+        ["model.attention_impl=einsum", "model.attn_softcap=50"],
+        ["model.attention_impl=cudnn", "model.dtype=bfloat16"],
+        ["model.position=sinusoidal", "model.d_model=96", "model.n_heads=3", "model.n_kv_heads=3"],
+        ["model.n_heads=3", "model.n_kv_heads=3", "model.head_dim=32"],
+        ["train.grad_accum=4"],
+    ],
+    ids=" ".join,
+)
+def test_valid_combinations_load(overrides):
+    assert isinstance(load(*overrides), Config)
+
+
+def test_learned_positions_take_max_seq_len_from_data():
+    cfg = load("model.position=learned", "data.seq_len=128")
+    assert cfg.model.max_seq_len == 128
+
+
+# --- round trip and derived values ---------------------------------------------------------------
+
+NONTRIVIAL = [
+    "model.n_heads=8",
+    "model.n_kv_heads=2",
+    "model.window=64",
+    "model.attention_pattern=[local,local,global]",
+    "model.ffn=gelu",
+    "model.norm_position=deepnorm",
+    "model.attention_impl=einsum",
+    "model.attn_softcap=30.0",
+    "optim.lr=3e-4",
+    "optim.clip_norm=null",
+    "data.cache_dir=some/cache",
+    "checkpoint.async=false",
+    "mesh.tensor=2",
+]
+
+
+@pytest.mark.parametrize("overrides", [[], NONTRIVIAL], ids=["default", "nontrivial"])
+def test_resolved_config_round_trips_through_yaml(overrides, tmp_path):
+    cfg = load(*overrides)
+    assert from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
+    assert load(path=write(tmp_path / "resolved.yaml", cfg.to_yaml())) == cfg
+
+
+def test_nontrivial_overrides_took_effect():
+    cfg = load(*NONTRIVIAL)
+    assert cfg.model.attention_pattern == ("local", "local", "global")
+    assert cfg.optim.clip_norm is None
+    assert cfg.checkpoint.async_ is False
+    assert cfg.to_dict()["checkpoint"]["async"] is False
+
+
+def test_default_config_is_the_shipped_file():
+    assert load() == load(path=ROOT / "configs" / "default.yaml")
+
+
+def test_n_kv_heads_defaults_to_n_heads():
+    assert ModelConfig(n_heads=8).n_kv_heads == 8
+    assert load("model.n_heads=8", "model.n_kv_heads=null").model.n_kv_heads == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, head_dim", [(dict(d_model=128, n_heads=8), 16), (dict(d_model=128, n_heads=8, head_dim=32), 32)]
+)
+def test_head_dim(kwargs, head_dim):
+    assert ModelConfig(**kwargs).head_dim == head_dim
+
+
+@pytest.mark.parametrize(
+    "d_model, ffn, ffn_multiple, d_ff",
+    [
+        (128, "gelu", 64, 512),
+        (128, "relu", 64, 512),
+        (96, "relu", 32, 384),
+        (128, "swiglu", 64, 384),
+        (128, "geglu", 64, 384),
+        (128, "reglu", 64, 384),
+        (96, "swiglu", 32, 256),
+        (64, "swiglu", 64, 192),
+        (64, "swiglu", 1, 171),
+    ],
+)
+def test_d_ff_default(d_model, ffn, ffn_multiple, d_ff):
+    assert ModelConfig(d_model=d_model, n_heads=4, ffn=ffn, ffn_multiple=ffn_multiple).d_ff == d_ff
+
+
+def test_explicit_d_ff_is_kept():
+    assert ModelConfig(d_ff=100).d_ff == 100
+
+
+def test_max_seq_len_is_filled_from_data_seq_len():
+    assert load("data.seq_len=128").model.max_seq_len == 128
+    assert load("data.seq_len=128", "model.max_seq_len=512").model.max_seq_len == 512
+
+
+@pytest.mark.parametrize(
+    "vocab_size, multiple, padded", [(259, 64, 320), (256, 64, 256), (259, 1, 259), (50257, 128, 50304)]
+)
+def test_padded_vocab(vocab_size, multiple, padded):
+    assert ModelConfig(vocab_size=vocab_size, vocab_multiple=multiple).padded_vocab == padded
+
+
+@pytest.mark.parametrize(
+    "kwargs, windows",
+    [
+        (dict(n_layers=5, window=64, attention_pattern=("local", "local", "global")), (64, 64, None, 64, 64)),
+        (dict(n_layers=3, window=32), (32, 32, 32)),
+        (dict(n_layers=2), (None, None)),
+    ],
+)
+def test_layer_windows(kwargs, windows):
+    assert ModelConfig(**kwargs).layer_windows == windows
+
+
+@pytest.mark.parametrize(
+    "n_layers, alpha, beta", [(2, math.sqrt(2), 0.5), (8, 2.0, 2**-1.5), (32, 2 * math.sqrt(2), 0.25)]
+)
+def test_deepnorm_constants(n_layers, alpha, beta):
+    cfg = ModelConfig(n_layers=n_layers)
+    assert cfg.deepnorm_alpha == pytest.approx(alpha)
+    assert cfg.deepnorm_beta == pytest.approx(beta)
+    assert cfg.deepnorm_alpha == pytest.approx((2 * n_layers) ** 0.25)
+    assert cfg.deepnorm_beta == pytest.approx((8 * n_layers) ** -0.25)
+
+
+# --- shipped configs -----------------------------------------------------------------------------
+
+
+def test_shipped_configs_are_found():
+    assert ROOT / "configs" / "default.yaml" in SHIPPED_CONFIGS
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=[str(p.relative_to(ROOT)) for p in SHIPPED_CONFIGS])
+def test_shipped_config_loads(path):
+    assert isinstance(load(path=path), Config)

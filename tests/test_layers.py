@@ -1,0 +1,157 @@
+"""Norms, norm placement, FFNs, position encodings and initialisation."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import build, tiny
+from flax import nnx
+
+from transformer.model import Block
+from transformer.model.layers import FFN, Norm, sinusoidal
+
+
+def test_layernorm_and_rmsnorm():
+    x = 3.0 + 5.0 * jax.random.normal(jax.random.key(0), (4, 7, 64))
+    ln = Norm(tiny(d_model=64, norm="layernorm"))(x)
+    np.testing.assert_allclose(ln.mean(-1), 0.0, atol=1e-5)
+    np.testing.assert_allclose(ln.var(-1), 1.0, atol=1e-4)
+    rms = Norm(tiny(d_model=64, norm="rmsnorm"))(x)
+    np.testing.assert_allclose(jnp.sqrt(jnp.mean(rms**2, -1)), 1.0, atol=1e-4)
+    assert not np.allclose(rms.mean(-1), 0.0, atol=0.1)  # RMSNorm does not centre
+
+
+def test_norm_keeps_dtype_but_computes_in_float32():
+    x = (1000.0 + jax.random.normal(jax.random.key(0), (2, 64))).astype(jnp.bfloat16)
+    y = Norm(tiny(d_model=64, norm="layernorm"))(x)
+    assert y.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(y, np.float32)))
+
+
+def block_output(norm_position, x, norm="layernorm", **kw):
+    cfg = tiny(norm=norm, norm_position=norm_position, **kw)
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    return block(x, positions, None, None), cfg
+
+
+def test_post_ln_block_output_is_normalised():
+    x = 4.0 * jax.random.normal(jax.random.key(0), (2, 8, 32)) + 1.0
+    y, _ = block_output("post", x)
+    np.testing.assert_allclose(y.mean(-1), 0.0, atol=1e-5)
+    np.testing.assert_allclose(y.var(-1), 1.0, atol=1e-3)
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "sandwich"])
+def test_pre_ln_and_sandwich_leave_the_residual_stream_unnormalised(norm_position):
+    x = 4.0 * jax.random.normal(jax.random.key(0), (2, 8, 32)) + 1.0
+    y, _ = block_output(norm_position, x)
+    assert np.all(np.abs(y.var(-1) - 1.0) > 1.0)  # the residual keeps the input's scale (var ~ 16)
+    if norm_position == "pre":  # a small correction at init; sandwich adds normalised (unit-scale) ones
+        assert float(jnp.std(y - x)) < 0.5 * float(jnp.std(x))
+
+
+def test_deepnorm_constants_and_residual_scale():
+    for L in (1, 6, 24, 100):
+        cfg = tiny(n_layers=L, norm_position="deepnorm")
+        assert cfg.deepnorm_alpha == pytest.approx((2 * L) ** 0.25)
+        assert cfg.deepnorm_beta == pytest.approx((8 * L) ** -0.25)
+    # The block is N(alpha*x + f(x)): with f zeroed out, it is N(alpha*x) = N(x) for LayerNorm.
+    cfg = tiny(n_layers=6, norm="layernorm", norm_position="deepnorm")
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (1, 8, 32))
+    f = lambda h: jnp.zeros_like(h)  # noqa: E731
+    out = block.residual(x, f, block.attn_norm, None, None)
+    np.testing.assert_allclose(out, block.attn_norm(x), atol=1e-5)
+    g = lambda h: h  # noqa: E731  # identity sublayer: N((alpha + 1) x)
+    out = block.residual(x, g, block.attn_norm, None, None)
+    raw = block.residual(x, g, Norm(cfg, kind="layernorm"), None, None)
+    np.testing.assert_allclose(out, raw, atol=1e-5)
+
+
+def empirical_std(param) -> float:
+    return float(jnp.std(param[...]))
+
+
+def test_deepnorm_scales_init_by_beta():
+    cfg = tiny(d_model=128, n_heads=4, n_layers=8, norm_position="deepnorm", ffn="gelu")
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    beta, std = cfg.deepnorm_beta, cfg.init_std
+    G = cfg.n_kv_groups
+    qkv = block.attn.qkv[...]
+    assert float(jnp.std(qkv[:, :, :G])) == pytest.approx(std, rel=0.05)  # queries: unscaled
+    assert float(jnp.std(qkv[:, :, G])) == pytest.approx(std, rel=0.1)  # keys: unscaled
+    assert float(jnp.std(qkv[:, :, G + 1])) == pytest.approx(std * beta, rel=0.1)  # values
+    assert empirical_std(block.attn.out) == pytest.approx(std * beta, rel=0.1)
+    assert empirical_std(block.ffn.w_in) == pytest.approx(std * beta, rel=0.05)
+    assert empirical_std(block.ffn.w_out) == pytest.approx(std * beta, rel=0.05)
+
+
+@pytest.mark.parametrize("depth_scaled", [True, False])
+def test_residual_projections_scaled_by_depth(depth_scaled):
+    cfg = tiny(d_model=128, n_layers=8, ffn="gelu", init_depth_scaled=depth_scaled)
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    want = cfg.init_std / math.sqrt(2 * 8) if depth_scaled else cfg.init_std
+    assert empirical_std(block.attn.out) == pytest.approx(want, rel=0.05)
+    assert empirical_std(block.ffn.w_out) == pytest.approx(want, rel=0.05)
+    assert empirical_std(block.ffn.w_in) == pytest.approx(cfg.init_std, rel=0.05)
+
+
+ACTS = {
+    "relu": lambda g, u: np.maximum(g, 0),
+    "gelu": lambda g, u: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))),
+    "swiglu": lambda g, u: g / (1 + np.exp(-g)) * u,
+    "geglu": lambda g, u: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u,
+    "reglu": lambda g, u: np.maximum(g, 0) * u,
+}
+
+
+@pytest.mark.parametrize("ffn", list(ACTS))
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_ffn_matches_numpy(ffn, use_bias):
+    cfg = tiny(ffn=ffn, use_bias=use_bias)
+    layer = FFN(cfg, rngs=nnx.Rngs(0))
+    if use_bias:  # non-zero biases, so a dropped bias would show
+        for name in ("b_in", "b_out"):
+            p = getattr(layer, name)
+            p[...] = jax.random.normal(jax.random.key(5), p[...].shape)
+    x = np.asarray(jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model)), np.float64)
+    w_in, w_out = np.asarray(layer.w_in[...], np.float64), np.asarray(layer.w_out[...], np.float64)
+    b_in = np.asarray(layer.b_in[...], np.float64) if use_bias else 0.0
+    b_out = np.asarray(layer.b_out[...], np.float64) if use_bias else 0.0
+    if cfg.gated_ffn:
+        h = np.einsum("BTD,DCF->BTCF", x, w_in) + b_in
+        hidden = ACTS[ffn](h[:, :, 0], h[:, :, 1])
+    else:
+        hidden = ACTS[ffn](np.einsum("BTD,DF->BTF", x, w_in) + b_in, None)
+    np.testing.assert_allclose(layer(jnp.asarray(x, jnp.float32)), hidden @ w_out + b_out, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "ffn, d_model, multiple, want",
+    [("gelu", 32, 16, 128), ("relu", 40, 64, 192), ("swiglu", 32, 16, 96), ("geglu", 96, 32, 256), ("reglu", 128, 64, 384)],
+)
+def test_default_ffn_width(ffn, d_model, multiple, want):
+    assert tiny(ffn=ffn, d_model=d_model, ffn_multiple=multiple).d_ff == want
+
+
+def test_sinusoidal_matches_the_paper():
+    D = 16
+    pos = np.arange(11)
+    pe = np.asarray(sinusoidal(jnp.asarray(pos)[None], D))[0]
+    i = np.arange(D // 2)
+    angle = pos[:, None] / 10000 ** (2 * i / D)
+    np.testing.assert_allclose(pe[:, 0::2], np.sin(angle), atol=1e-5)
+    np.testing.assert_allclose(pe[:, 1::2], np.cos(angle), atol=1e-5)
+
+
+def test_learned_positions_are_used():
+    cfg = tiny(position="learned")
+    model = build(cfg)
+    tokens = jnp.zeros((1, 6), jnp.int32)
+    base = model(tokens)
+    model.pos_embed[...] = model.pos_embed[...].at[3].add(1.0)
+    changed = np.any(np.abs(model(tokens) - base) > 1e-6, axis=-1)[0]
+    np.testing.assert_array_equal(changed, [False, False, False, True, True, True])
