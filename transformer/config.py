@@ -241,12 +241,14 @@ class DataConfig:
     text_field: str = "text"
     train_split: str = "train"
     val_split: str = "validation"
-    val_fraction: float = 0.01
+    val_fraction: float = 0.01  # when the source has no validation split of its own
+    val_windows: int = 128  # the fixed validation windows every evaluation uses
     document_mask: bool = False
     cache_dir: str | None = None
 
     def __post_init__(self):
         _check(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
+        _check(self.val_windows >= 1, "val_windows", f"must be >= 1, got {self.val_windows}")
         _check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
         _check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1), got {self.val_fraction}")
         _check(
@@ -293,11 +295,10 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     eval_every: int = 200
-    eval_batches: int = 8
     z_loss: float = 0.0
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "grad_accum", "eval_every", "eval_batches"):
+        for name in ("steps", "batch_size", "grad_accum", "eval_every"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(
             self.batch_size % self.grad_accum == 0,

@@ -1,0 +1,455 @@
+"""Corpora, tokenisation into a memory-mapped cache, packing, and step-indexed batches.
+
+Batch i of a run is a pure function of (data config, seed, i): window ids come from a seeded
+permutation per epoch, so resuming needs no iterator state and every process can compute its own
+rows of any global batch without talking to the others.
+
+Layout of a token cache (one directory per hash of source, tokenizer and split rules):
+    train.bin, val.bin   the documents of each split, each followed by EOS, as uint16/uint32
+    meta.json            counts and dtypes; written last, so its presence marks a complete cache
+    tokenizer.json       for a BPE trained on the training split (reused by later runs)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob as globlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from transformer.config import DataConfig
+from transformer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_pretrained, train_bpe
+
+CACHE_VERSION = 1
+TOKENIZER_FILE = "tokenizer.json"
+BPE_TRAIN_BYTES = 64 << 20  # a BPE is trained on at most this much of the training split
+
+
+class DataError(ValueError):
+    """A user mistake about the data (exit 2): empty or missing source, bad field, too small a corpus."""
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "transformer-ablations" / "tokens"
+
+
+# --- sources -------------------------------------------------------------------------------------
+
+
+def _stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+    return root, files
+
+
+def _glob_files(pattern: str) -> list[Path]:
+    return sorted(Path(p) for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file())
+
+
+def _files_fingerprint(files: list[Path], root: Path | None = None) -> str:
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p.relative_to(root) if root else p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def source_fingerprint(cfg: DataConfig) -> str:
+    """Cheap identity of the source's contents: changes when the documents could have changed."""
+    kind, _, arg = cfg.source.partition(":")
+    if kind == "builtin" and arg == "stdlib":
+        root, files = _stdlib_files()
+        return f"stdlib-{sys.version_info.major}.{sys.version_info.minor}-{_files_fingerprint(files, root)}"
+    if kind == "files":
+        path = Path(os.path.expanduser(arg))
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(arg)
+        if not files:
+            raise DataError(f"data.source: {cfg.source} matches no file")
+        return f"files-{_files_fingerprint(files)}"
+    if kind == "hf":
+        return "hf-" + "-".join(ds._fingerprint for ds in load_splits(cfg).values())
+    raise DataError(f"data.source: unknown source {cfg.source!r} (builtin:stdlib, hf:NAME[:CONFIG], files:GLOB)")
+
+
+def _documents_from_files(cfg: DataConfig):
+    import datasets
+
+    arg = cfg.source.partition(":")[2]
+    path = Path(os.path.expanduser(arg))
+    if path.is_dir() and any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):
+        return datasets.load_from_disk(str(path))
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(arg)
+    if not files:
+        raise DataError(f"data.source: {cfg.source} matches no file")
+    builders = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+    kinds = {builders.get(f.suffix.lower()) for f in files}
+    if None in kinds or len(kinds) != 1:
+        suffixes = sorted({f.suffix or "(none)" for f in files})
+        raise DataError(
+            f"data.source: {cfg.source} must match files of one kind (.txt, .jsonl/.json, .parquet, .csv), "
+            f"found {', '.join(suffixes)}"
+        )
+    (builder,) = kinds
+    options = dict(sample_by="document", encoding_errors="replace") if builder == "text" else {}
+    try:
+        return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, **options)
+    except Exception as e:
+        raise DataError(f"data.source: cannot read {cfg.source}: {str(e).splitlines()[0]}") from None
+
+
+def _documents_from_hub(cfg: DataConfig):
+    import datasets
+
+    name, _, config = cfg.source.partition(":")[2].partition(":")
+    try:
+        return datasets.load_dataset(name, config or None)
+    except Exception as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        offline = any(w in text.lower() for w in ("offline", "connection", "resolve", "internet", "network"))
+        hint = " (offline?); download it where the hub is reachable, save it, and use files:PATH" if offline else ""
+        raise DataError(f"data.source: cannot load {name} from the Hugging Face hub{hint}: {text}") from None
+
+
+def _hash_fraction(text: str) -> float:
+    return int.from_bytes(hashlib.sha1(text.encode("utf-8", "surrogateescape")).digest()[:8], "big") / 2**64
+
+
+@functools.lru_cache(maxsize=4)
+def load_splits(cfg: DataConfig) -> dict:
+    """{'train': Dataset, 'val': Dataset}, each with the text in column cfg.text_field."""
+    import datasets
+
+    kind, _, arg = cfg.source.partition(":")
+    if kind == "builtin":
+        if arg != "stdlib":
+            raise DataError(f"data.source: unknown builtin corpus {arg!r} (builtin:stdlib)")
+        root, files = _stdlib_files()
+        texts = [p.read_text("utf-8", errors="replace") for p in files]
+        loaded = datasets.DatasetDict(
+            {"train": datasets.Dataset.from_dict({cfg.text_field: texts, "path": [str(p.relative_to(root)) for p in files]})}
+        )
+    elif kind == "files":
+        loaded = _documents_from_files(cfg)
+    elif kind == "hf":
+        loaded = _documents_from_hub(cfg)
+    else:
+        raise DataError(f"data.source: unknown source {cfg.source!r}")
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({"train": loaded})
+    if cfg.train_split not in loaded:
+        raise DataError(f"data.train_split: {cfg.train_split!r} is not a split of {cfg.source} ({', '.join(loaded)})")
+    train = loaded[cfg.train_split]
+    if cfg.text_field not in train.column_names:
+        raise DataError(
+            f"data.text_field: {cfg.text_field!r} is not a column of {cfg.source} "
+            f"(columns: {', '.join(train.column_names)})"
+        )
+    if cfg.val_split in loaded:
+        val = loaded[cfg.val_split]
+    else:  # split by content hash: a document (and any copy of it) lands on one side only
+        fraction = cfg.val_fraction
+        is_val = [_hash_fraction(t) < fraction for t in train[cfg.text_field]]
+        val = train.select([i for i, v in enumerate(is_val) if v])
+        train = train.select([i for i, v in enumerate(is_val) if not v])
+    for name, split in (("train", train), ("val", val)):
+        if len(split) == 0:
+            raise DataError(f"data.source: the {name} split of {cfg.source} has no documents")
+    return {"train": train, "val": val}
+
+
+# --- tokenizer -----------------------------------------------------------------------------------
+
+
+def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> ByteTokenizer | HFTokenizer:
+    """The run's tokenizer. A run directory's own tokenizer.json wins (resume, eval); a BPE is trained
+    once per (source, vocab size, split rules) and kept in the cache for later runs."""
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    if workdir is not None and (workdir / TOKENIZER_FILE).is_file():
+        tok = HFTokenizer((workdir / TOKENIZER_FILE).read_text())
+    elif cfg.tokenizer.startswith("pretrained:"):
+        try:
+            tok = load_pretrained(cfg.tokenizer.partition(":")[2])
+        except TokenizerError as e:
+            raise DataError(str(e)) from None
+    else:
+        key = _digest({"bpe": cfg.vocab_size, "source": source_fingerprint(cfg), "split": _split_rules(cfg)})
+        saved = cache_dir / f"bpe-{key}.json"
+        if saved.is_file():
+            tok = HFTokenizer(saved.read_text())
+        else:
+            texts = load_splits(cfg)["train"][cfg.text_field]
+            try:
+                tok = train_bpe(_prefix(texts, BPE_TRAIN_BYTES), cfg.vocab_size)
+            except TokenizerError as e:
+                raise DataError(str(e)) from None
+            _atomic_write(saved, tok.json_text)
+    if workdir is not None and not (workdir / TOKENIZER_FILE).is_file() and isinstance(tok, HFTokenizer):
+        workdir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(workdir / TOKENIZER_FILE, tok.json_text)
+    return tok
+
+
+def _prefix(texts, budget: int):
+    for text in texts:
+        if budget <= 0:
+            return
+        budget -= len(text)
+        yield text
+
+
+# --- the token cache -----------------------------------------------------------------------------
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _split_rules(cfg: DataConfig) -> dict:
+    return dict(
+        text_field=cfg.text_field, train=cfg.train_split, val=cfg.val_split, val_fraction=cfg.val_fraction
+    )
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def cache_key(cfg: DataConfig, tokenizer) -> str:
+    return _digest(
+        dict(version=CACHE_VERSION, source=source_fingerprint(cfg), tokenizer=tokenizer.fingerprint, split=_split_rules(cfg))
+    )
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        return all((path / f"{s}.bin").stat().st_size == meta[s]["tokens"] * itemsize for s in ("train", "val"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _clean_partials(cache_dir: Path, key: str) -> None:
+    """Remove the leftovers of interrupted builds of this key whose process is gone."""
+    for partial in cache_dir.glob(f"{key}.partial-*"):
+        pid = int(partial.name.rsplit("-", 2)[-2]) if partial.name.count("-") >= 2 else 0
+        try:
+            os.kill(pid, 0)
+            alive = pid != 0
+        except (OSError, ValueError):
+            alive = False
+        if not alive:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def build_cache(cfg: DataConfig, tokenizer, cache_dir: Path, log: Callable[[str], None] = print) -> Path:
+    """Tokenise both splits into `cache_dir/<key>/` unless a complete cache is there already."""
+    key = cache_key(cfg, tokenizer)
+    final = cache_dir / key
+    if _is_complete(final):
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _clean_partials(cache_dir, key)
+    if final.exists():  # incomplete or damaged: never trust it
+        shutil.rmtree(final, ignore_errors=True)
+    partial = cache_dir / f"{key}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    log(f"tokenising {cfg.source} with the {cfg.tokenizer} tokenizer into {final}")
+    dtype = token_dtype(tokenizer.vocab_size)
+    meta = dict(version=CACHE_VERSION, source=cfg.source, tokenizer=tokenizer.fingerprint, dtype=dtype.name,
+                vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)  # fmt: skip
+    try:
+        for name, split in load_splits(cfg).items():
+            meta[name] = _tokenise_split(split, cfg.text_field, tokenizer, dtype, partial / f"{name}.bin")
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(partial, final)
+        except OSError:  # another process finished the same cache first
+            if not _is_complete(final):
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return final
+
+
+def _tokenise_split(split, text_field: str, tokenizer, dtype: np.dtype, path: Path) -> dict:
+    eos = tokenizer.eos_id
+
+    def encode(batch):
+        texts = batch[text_field]
+        ids = tokenizer.encode_batch([t if isinstance(t, str) else "" for t in texts])
+        return {
+            "ids": [np.append(i.astype(dtype), np.asarray(eos, dtype)) for i in ids],
+            "n_bytes": [len(t.encode("utf-8", "surrogateescape")) if isinstance(t, str) else 0 for t in texts],
+        }
+
+    procs = min(os.cpu_count() or 1, max(1, len(split) // 256))
+    encoded = split.map(
+        encode,
+        batched=True,
+        batch_size=64,
+        num_proc=procs if procs > 1 else None,
+        remove_columns=split.column_names,
+        desc=f"tokenising {path.stem}",
+        new_fingerprint=None,
+        keep_in_memory=True,
+    )
+    n_tokens = 0
+    with open(path, "wb") as out:
+        for chunk in encoded.data.column("ids").chunks:
+            values = chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+            out.write(values.tobytes())
+            n_tokens += len(values)
+    n_bytes = int(np.sum(encoded.data.column("n_bytes").to_numpy()))
+    return dict(documents=len(split), tokens=n_tokens, bytes=n_bytes)
+
+
+# --- windows and batches -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """A split's token stream cut into windows of seq_len+1 tokens with stride seq_len, so every
+    token after the first is a target exactly once."""
+
+    tokens: np.ndarray  # memory-mapped
+    seq_len: int
+    eos_id: int
+    document_mask: bool
+
+    @property
+    def count(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def batch(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
+        T = self.seq_len
+        rows = np.stack([np.asarray(self.tokens[k * T : k * T + T + 1]) for k in window_ids]).astype(np.int32)
+        batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+        if self.document_mask:
+            batch.update(document_layout(batch["inputs"], self.eos_id))
+        return batch
+
+
+def document_layout(inputs_BxT: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+    """Segment ids (a new document starts after each EOS) and positions restarting per document."""
+    B, T = inputs_BxT.shape
+    starts = np.zeros((B, T), bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs_BxT[:, :-1] == eos_id
+    segment_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1
+    index = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    start_index = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return {"segment_ids": segment_ids, "positions": (index - start_index).astype(np.int32)}
+
+
+class Sampler:
+    """Global batch i = windows [i*B, (i+1)*B) of the endless sequence of per-epoch permutations."""
+
+    def __init__(self, n_windows: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = n_windows, batch_size, seed
+
+    @functools.lru_cache(maxsize=2)
+    def permutation(self, epoch: int) -> np.ndarray:
+        return np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.n)
+
+    def window_ids(self, step: int, rows: range | None = None) -> np.ndarray:
+        rows = range(self.batch_size) if rows is None else rows
+        flat = step * self.batch_size + np.arange(rows.start, rows.stop)
+        epochs, offsets = np.divmod(flat, self.n)
+        return np.asarray([self.permutation(int(e))[o] for e, o in zip(epochs, offsets)], np.int64)
+
+    def epochs_consumed(self, steps: int) -> float:
+        return steps * self.batch_size / self.n
+
+
+@dataclasses.dataclass
+class Data:
+    """Everything the trainer and evaluator need from the data side."""
+
+    tokenizer: object
+    train: Windows
+    val: Windows
+    sampler: Sampler
+    val_window_ids: np.ndarray
+    val_bytes_per_token: float
+    cache_path: Path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def train_batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
+        """This process's rows of global batch `step` (rows split evenly over processes, in order)."""
+        B = self.sampler.batch_size
+        per = B // process_count
+        rows = range(process_index * per, (process_index + 1) * per)
+        return self.train.batch(self.sampler.window_ids(step, rows))
+
+    def val_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
+        """The fixed validation windows in batches; a short last batch is padded and weighted 0."""
+        out = []
+        for start in range(0, len(self.val_window_ids), batch_size):
+            ids = self.val_window_ids[start : start + batch_size]
+            real = len(ids)
+            ids = np.concatenate([ids, np.repeat(ids[:1], batch_size - real)])
+            batch = self.val.batch(ids)
+            batch["weights"] = (np.arange(batch_size) < real)[:, None].repeat(self.val.seq_len, 1).astype(np.float32)
+            out.append(batch)
+        return out
+
+
+def prepare(
+    cfg: DataConfig, batch_size: int, seed: int, workdir: Path | None = None, log: Callable[[str], None] = print
+) -> Data:
+    """Load (or build) the token cache for `cfg` and set up deterministic train and val batches."""
+    cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
+    tokenizer = make_tokenizer(cfg, workdir, cache_dir)
+    path = build_cache(cfg, tokenizer, cache_dir, log)
+    meta = json.loads((path / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"])
+    streams = {s: np.memmap(path / f"{s}.bin", dtype=dtype, mode="r") for s in ("train", "val")}
+    train = Windows(streams["train"], cfg.seq_len, tokenizer.eos_id, cfg.document_mask)
+    val = Windows(streams["val"], cfg.seq_len, tokenizer.eos_id, cfg.document_mask)
+    need = batch_size * cfg.seq_len + 1
+    if train.count < batch_size:
+        raise DataError(
+            f"data.source: the training split of {cfg.source} has {len(streams['train']):,} tokens; "
+            f"one global batch of {batch_size} x {cfg.seq_len} needs {need:,}"
+        )
+    if val.count < 1:
+        raise DataError(
+            f"data.val_fraction: the validation split of {cfg.source} has {len(streams['val']):,} tokens, "
+            f"fewer than one window of {cfg.seq_len + 1}"
+        )
+    # evenly spaced over the whole validation split, independent of the run's seed and batch size
+    n_val = min(cfg.val_windows, val.count)
+    val_ids = np.unique(np.linspace(0, val.count - 1, n_val).round().astype(np.int64))
+    return Data(
+        tokenizer=tokenizer,
+        train=train,
+        val=val,
+        sampler=Sampler(train.count, batch_size, seed),
+        val_window_ids=val_ids,
+        val_bytes_per_token=meta["val"]["bytes"] / max(1, meta["val"]["tokens"]),
+        cache_path=path,
+    )

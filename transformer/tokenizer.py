@@ -1,0 +1,97 @@
+"""Tokenizers: `byte` (256 byte values + BOS/EOS/PAD), a byte-level `bpe` trained on the training
+split, or `pretrained:PATH` (a tokenizer.json, or a directory holding one).
+
+Every tokenizer exposes the same small surface: `vocab_size`, `bos_id`, `eos_id`, `pad_id`,
+`encode_batch`, `decode`, and a `fingerprint` that changes whenever the ids it produces could.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+SPECIALS = ("<bos>", "<eos>", "<pad>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built or loaded (a user mistake: exit 2)."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the ids 0..255; BOS, EOS and PAD follow."""
+
+    vocab_size = 259
+    bos_id, eos_id, pad_id = 256, 257, 258
+    fingerprint = "byte-v1"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # surrogateescape: text read with errors='surrogateescape' gets its original bytes back
+        return [np.frombuffer(t.encode("utf-8", "surrogateescape"), np.uint8) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        data = bytes(i for i in ids if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer; BOS/EOS/PAD are its <bos>/<eos>/<pad> tokens (added
+    at the end of the vocabulary when it has none)."""
+
+    def __init__(self, json_text: str):
+        from tokenizers import Tokenizer
+
+        self.json_text = json_text
+        self.tok = Tokenizer.from_str(json_text)
+        ids = [self.tok.token_to_id(s) for s in SPECIALS]
+        if None in ids:
+            self.tok.add_special_tokens([s for s, i in zip(SPECIALS, ids) if i is None])
+            ids = [self.tok.token_to_id(s) for s in SPECIALS]
+        self.bos_id, self.eos_id, self.pad_id = ids
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.fingerprint = "hf-" + hashlib.sha256(json_text.encode()).hexdigest()[:16]
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, np.int64) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save(self, path: Path) -> None:
+        path.write_text(self.json_text)
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenisation) trained on `texts`; deterministic for a given input."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256 + len(SPECIALS):
+        raise TokenizerError(f"data.vocab_size: a byte-level BPE needs at least {256 + len(SPECIALS)} ids, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok.to_str())
+
+
+def load_pretrained(path: str) -> HFTokenizer:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise TokenizerError(f"data.tokenizer: no tokenizer.json at {p}")
+    try:
+        text = p.read_text()
+        json.loads(text)
+        return HFTokenizer(text)
+    except Exception as e:  # a broken file: say which, not where inside the library it broke
+        raise TokenizerError(f"data.tokenizer: cannot load {p}: {str(e).splitlines()[0]}") from None
