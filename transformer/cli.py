@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 from transformer.config import ConfigError, load_config
 
@@ -27,9 +29,25 @@ def train_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="train.py", description="Train a decoder-only Transformer from a YAML config.")
     p.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/default.yaml)")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, values parsed as YAML")
-    p.add_argument("--workdir", default=None, help="run directory (resumed if it holds checkpoints)")
+    p.add_argument("--workdir", default=None, help="run directory (default: runs/<config>-<time>)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and model summary, then exit")
+    p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
     return p
+
+
+def _distributed(args) -> None:
+    """Join a multi-process run: explicitly from the flags, or from a cluster environment JAX knows."""
+    import jax
+
+    if args.coordinator is None and args.num_processes is None:
+        return
+    if args.coordinator is None or args.num_processes is None or args.process_id is None:
+        _fail("train.py", "--coordinator, --num-processes and --process-id go together")
+    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -49,5 +67,23 @@ def train_main(argv: list[str] | None = None) -> int:
         print()
         print(summary_text(cfg.model, cfg.data.seq_len))
         return 0
-    _fail("train.py", "the training loop is not built yet; use --dry-run to check a config")
-    return EXIT_USAGE
+
+    from transformer.data import DataError
+    from transformer.trainer import run
+
+    _distributed(args)
+    workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)
+    if (workdir / "metrics.jsonl").exists():
+        _fail("train.py", f"{workdir} already holds a run; resuming needs checkpoints, which are not built yet")
+    try:
+        run(cfg, workdir)
+    except ConfigError as e:
+        _fail("train.py", f"config: {e}")
+    except DataError as e:
+        _fail("train.py", f"data: {e}")
+    return 0
+
+
+def _default_workdir(config: str | None) -> Path:
+    name = Path(config).stem if config else "default"
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"

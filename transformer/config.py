@@ -270,6 +270,7 @@ class OptimConfig:
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd: the share of steps spent decaying at the end
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -281,6 +282,7 @@ class OptimConfig:
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(0.0 < self.decay_fraction <= 1.0, "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
         for name in ("b1", "b2"):
             _check(0.0 <= getattr(self, name) < 1.0, name, f"must be in [0, 1), got {getattr(self, name)}")
         _check(self.eps > 0, "eps", f"must be > 0, got {self.eps}")

@@ -1,0 +1,51 @@
+"""Trains one tiny config on several meshes in one process (fake CPU devices); prints JSON results.
+
+Run by tests/test_trainer.py in a subprocess, because the device count must be fixed before JAX starts:
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_worker.py CORPUS CACHE MESHES_JSON
+"""
+
+import json
+import sys
+
+import jax
+
+from transformer import sharding
+from transformer.config import load_config
+from transformer.data import prepare
+from transformer.trainer import Trainer, train, with_vocab
+
+
+def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
+    results = []
+    for mesh_cfg in meshes:
+        n = mesh_cfg.pop("devices")
+        overrides = [f"mesh.{k}={v}" for k, v in mesh_cfg.items()]
+        cfg = load_config(sys.argv[4] if len(sys.argv) > 4 else None, [
+            f"data.source=files:{corpus}", f"data.cache_dir={cache}", "data.seq_len=32", "data.val_windows=8",
+            "model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_multiple=16",
+            "train.batch_size=8", f"train.steps={steps}", f"train.eval_every={steps}", "logging.every=1",
+            "logging.progress=false", "logging.tensorboard=false", "optim.warmup_steps=5", *overrides,
+        ])  # fmt: skip
+        data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
+        cfg = with_vocab(cfg, data.vocab_size)
+        mesh = sharding.make_mesh(cfg, jax.devices()[:n])
+        losses = []
+        train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda step, m: losses.append(m["loss"]))
+        specs = Trainer(cfg, mesh).state_shardings.params
+        results.append(
+            {
+                "mesh": dict(mesh.shape),
+                "losses": losses,
+                "specs": {
+                    "qkv": str(specs["blocks"]["attn"]["qkv"].spec),
+                    "out": str(specs["blocks"]["attn"]["out"].spec),
+                    "w_in": str(specs["blocks"]["ffn"]["w_in"].spec),
+                    "embed": str(specs["embed"].spec),
+                },
+            }
+        )
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

@@ -1,0 +1,106 @@
+"""Devices: the mesh, and the one table that maps logical axis names to mesh axes.
+
+Model code only names axes (`embed`, `heads`, ...). This module alone decides where they live:
+the batch is split over `data` and `fsdp`, `fsdp` also shards parameters and optimiser state along
+`embed`, and `tensor` shards heads and the FFN width (Megatron-style).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from transformer.config import Config, ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or axes); anything not listed is replicated.
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "layers": None,
+}
+
+
+def mesh_shape(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Axis sizes with -1 filled in; refuses (ConfigError) what cannot fit the devices or the model."""
+    sizes = {axis: getattr(cfg.mesh, axis) for axis in MESH_AXES}
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    for axis, size in sizes.items():
+        if size == -1:
+            if n_devices % fixed:
+                raise ConfigError(f"mesh.{axis}", f"cannot fill: {n_devices} devices are not divisible by {fixed}")
+            sizes[axis] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
+        raise ConfigError("mesh", f"{shape} = {math.prod(sizes.values())} devices, but {n_devices} are available")
+    m, tensor = cfg.model, sizes["tensor"]
+    for key, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.d_ff", m.d_ff)):
+        if size % tensor:
+            raise ConfigError("mesh.tensor", f"{tensor} does not divide {key} = {size}")
+    if m.padded_vocab % tensor:
+        raise ConfigError("mesh.tensor", f"{tensor} does not divide the padded vocab {m.padded_vocab} (model.vocab_multiple)")
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    if cfg.train.batch_size % (batch_shards * cfg.train.grad_accum):
+        raise ConfigError(
+            "train.batch_size",
+            f"{cfg.train.batch_size} is not divisible by data x fsdp x grad_accum = "
+            f"{sizes['data']} x {sizes['fsdp']} x {cfg.train.grad_accum}",
+        )
+    return sizes
+
+
+def make_mesh(cfg: Config, devices=None) -> Mesh:
+    devices = jax.devices() if devices is None else devices
+    sizes = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(
+        tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
+    )
+
+
+def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec for a value with these logical axes; a dimension its mesh axes cannot divide
+    evenly stays replicated (only fsdp can hit this: tensor divisibility is checked up front)."""
+    out = []
+    used: set[str] = set()
+    for name, dim in zip(axes, shape):
+        target = RULES.get(name) if name else None
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1 and a not in used)
+        if not mesh_axes or dim % math.prod(mesh.shape[a] for a in mesh_axes):
+            out.append(None)
+            continue
+        used.update(mesh_axes)
+        out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*out)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh):
+    """NamedShardings for an nnx.State of parameters (from each Param's `axes` metadata)."""
+
+    def one(v):
+        value = v.get_value()
+        return v.replace(NamedSharding(mesh, spec(v.get_metadata()["axes"], value.shape, mesh)))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh, global_rows: int) -> dict[str, jax.Array]:
+    """Global arrays from this process's rows (processes hold consecutive row blocks, in order)."""
+    sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (global_rows,) + v.shape[1:]) for k, v in local.items()
+    }

@@ -1,0 +1,265 @@
+"""Training: the train state, the jitted train and eval steps, and the loop.
+
+The step is one pure function `(state, batch) -> (state, metrics)` jitted with explicit shardings
+and a donated state: the same code runs on one CPU, fake CPU devices, a GPU, a TPU slice or many
+hosts; only the mesh differs. Parameters are a plain nested dict (`nnx.to_pure_dict`), merged into
+the model inside the step, so optax, orbax and the sharding table all see ordinary pytrees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from transformer import sharding
+from transformer.config import Config
+from transformer.data import Data
+from transformer.metrics import Progress, RunWriter, device_peak_flops
+from transformer.model import Transformer
+from transformer.model.summary import count_params, flops_per_token
+from transformer.optim import make_optimizer, schedule
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: the number of updates applied
+    params: dict
+    opt_state: optax.OptState
+
+
+def cross_entropy(logits_BxTxV, targets_BxT, weights_BxT, z_loss: float):
+    """(objective sum, nll sum, weight sum): float32 cross-entropy summed over real target tokens,
+    plus z_loss * log(Z)^2 (PaLM), which keeps the softmax normaliser near 1."""
+    logits = logits_BxTxV.astype(jnp.float32)
+    log_z_BxT = jax.nn.logsumexp(logits, axis=-1)
+    target_logit_BxT = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+    nll_sum = jnp.sum((log_z_BxT - target_logit_BxT) * weights_BxT)
+    z_sum = jnp.sum(jnp.square(log_z_BxT) * weights_BxT)
+    return nll_sum + z_loss * z_sum, nll_sum, jnp.sum(weights_BxT)
+
+
+class Trainer:
+    """Builds the jitted steps for one config on one mesh."""
+
+    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+        param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+        self.tx = make_optimizer(cfg.optim, cfg.train.steps, nnx.to_pure_dict(abstract))
+        self.lr = schedule(cfg.optim, cfg.train.steps)
+        abstract_opt = jax.eval_shape(self.tx.init, nnx.to_pure_dict(abstract))
+        replicated = sharding.replicated(mesh)
+        opt_shardings = optax.tree_map_params(
+            self.tx, lambda _, s: s, abstract_opt, param_shardings, transform_non_params=lambda _: replicated
+        )
+        self.state_shardings = TrainState(replicated, param_shardings, opt_shardings)
+        batch_spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+        self.init = jax.jit(self._init, out_shardings=self.state_shardings)
+        self.train_step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, batch_spec),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            self._eval_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated
+        )
+
+    # --- pure functions ---------------------------------------------------------------------------
+    def _init(self, seed: jax.Array) -> TrainState:
+        model = Transformer(self.cfg.model, rngs=nnx.Rngs(params=seed))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+
+    def _loss(self, params, batch, key):
+        model = nnx.merge(self.graphdef, params)
+        logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), key=key)
+        weights = batch.get("weights", jnp.ones(batch["targets"].shape, jnp.float32))
+        objective, nll_sum, count = cross_entropy(logits, batch["targets"], weights, self.cfg.train.z_loss)
+        return objective, (nll_sum, count)
+
+    def _train_step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        accum = self.cfg.train.grad_accum
+        dropout = self.cfg.model.dropout or self.cfg.model.attn_dropout
+        step_key = jax.random.fold_in(jax.random.key(self.cfg.train.seed), state.step) if dropout else None
+        grad_fn = jax.grad(self._loss, has_aux=True)
+
+        def micro(carry, xs):
+            grads, nll_sum, count = carry
+            micro_batch, index = xs
+            key = None if step_key is None else jax.random.fold_in(step_key, index)
+            g, (n, c) = grad_fn(state.params, micro_batch, key)
+            return (jax.tree.map(jnp.add, grads, g), nll_sum + n, count + c), None
+
+        # Row r goes to micro-batch r % accum: every device keeps its own rows, nothing moves.
+        micro_batches = jax.tree.map(
+            lambda x: x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1), batch
+        )
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        (grads, nll_sum, count), _ = jax.lax.scan(
+            micro, (zeros, 0.0, 0.0), (micro_batches, jnp.arange(accum))
+        )
+        # The objective is a sum over tokens: divide once, so accumulation equals one big batch.
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": nll_sum / count,
+            "grad_norm": optax.global_norm(grads),
+            "update_norm": optax.global_norm(updates),
+            "param_norm": optax.global_norm(params),
+            "lr": self.lr(state.step),
+        }
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _eval_step(self, params, batch) -> tuple[jax.Array, jax.Array]:
+        _, (nll_sum, count) = self._loss(params, batch, None)
+        return nll_sum, count
+
+    # --- host-side helpers ------------------------------------------------------------------------
+    def put_batch(self, local: dict[str, np.ndarray], global_rows: int) -> dict[str, jax.Array]:
+        return sharding.global_batch(local, self.mesh, global_rows)
+
+    def evaluate(self, params, data: Data) -> dict[str, float]:
+        B = self.cfg.train.batch_size
+        pidx, pcount = jax.process_index(), jax.process_count()
+        per = B // pcount
+        nll, count = 0.0, 0.0
+        for batch in data.val_batches(B):
+            local = {k: v[pidx * per : (pidx + 1) * per] for k, v in batch.items()}
+            n, c = self.eval_step(params, self.put_batch(local, B))
+            nll, count = nll + float(n), count + float(c)
+        loss = nll / count
+        return {
+            "val_loss": loss,
+            "val_perplexity": math.exp(min(loss, 700.0)),
+            "val_bits_per_byte": loss / math.log(2) / data.val_bytes_per_token,
+        }
+
+
+def unigram_entropy(data: Data) -> float:
+    """Cross-entropy (nats) of the best context-free model on the validation windows: the bar a
+    model must clear to have learned anything beyond token frequencies."""
+    targets = np.concatenate([b["targets"][b["weights"] > 0] for b in data.val_batches(64)])
+    p = np.bincount(targets) / len(targets)
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+@dataclasses.dataclass
+class RunResult:
+    train_loss: float
+    val: dict[str, float]
+    tokens_per_s: float
+    mfu: float
+    steps: int
+    params: dict | None = None  # the trained parameters, for callers that inspect them
+
+
+def train(
+    cfg: Config,
+    data: Data,
+    workdir: Path | None,
+    mesh: jax.sharding.Mesh | None = None,
+    log: Callable[[str], None] = print,
+    on_metrics: Callable[[int, dict], None] | None = None,
+) -> RunResult:
+    """Train `cfg` from scratch, writing metrics and events to `workdir` (process 0 only).
+    `on_metrics(step, values)` sees every logged set of training metrics (tests, notebooks)."""
+    mesh = mesh or sharding.make_mesh(cfg)
+    lead = jax.process_index() == 0
+    writer = RunWriter(workdir, lead, cfg.logging.tensorboard)
+    trainer = Trainer(cfg, mesh)
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    pidx, pcount = jax.process_index(), jax.process_count()
+    tokens_per_step = B * T
+    flops_per_step = flops_per_token(cfg.model, T) * tokens_per_step
+    peak, peak_source = device_peak_flops()
+    n_devices = mesh.devices.size
+    if lead:
+        log(
+            f"{count_params(cfg.model):,} parameters on {n_devices} {jax.devices()[0].platform} device(s), "
+            f"mesh {dict(mesh.shape)}; peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})"
+        )
+    writer.event("start", 0, devices=n_devices, mesh=dict(mesh.shape), peak_flops=peak)
+
+    state = trainer.init(jax.random.key(cfg.train.seed))
+    progress = Progress(cfg.train.steps, 0, lead and cfg.logging.progress)
+    pending = None  # (step, device metrics) read one step late so the device never waits on the host
+    last_time, last_step, tokens_per_s, mfu, train_loss, val = time.perf_counter(), 0, 0.0, 0.0, math.nan, {}
+
+    def flush(step, metrics):
+        nonlocal last_time, last_step, tokens_per_s, mfu, train_loss
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        if step > last_step:
+            seconds = (now - last_time) / (step - last_step)
+            tokens_per_s = tokens_per_step / seconds
+            tflops = flops_per_step / seconds / n_devices
+            mfu = tflops / peak
+            values.update(step_time=seconds, tokens_per_s=tokens_per_s, tflops_per_device=tflops / 1e12, mfu=mfu)
+        last_time, last_step, train_loss = now, step, values["loss"]
+        writer.scalars(step, values)
+        if on_metrics is not None:
+            on_metrics(step, values)
+        progress.update(step, values["loss"], values["lr"], tokens_per_s)
+
+    for step in range(cfg.train.steps):
+        batch = trainer.put_batch(data.train_batch(step, pidx, pcount), B)
+        state, metrics = trainer.train_step(state, batch)
+        if pending is not None:
+            flush(*pending)
+            pending = None
+        done = step + 1
+        if done % cfg.logging.every == 0 or done == cfg.train.steps:
+            pending = (done, metrics)
+        if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+            if pending is not None:
+                flush(*pending)
+                pending = None
+            val = trainer.evaluate(state.params, data)
+            writer.scalars(done, val)
+            last_time = time.perf_counter()  # evaluation time is not training time
+    if pending is not None:
+        flush(*pending)
+    progress.close()
+    writer.event("end", cfg.train.steps, train_loss=train_loss, **val)
+    writer.close()
+    return RunResult(train_loss, val, tokens_per_s, mfu, cfg.train.steps, state.params)
+
+
+def with_vocab(cfg: Config, vocab_size: int) -> Config:
+    """The run's config with the model's vocabulary taken from the tokenizer."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+
+
+def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
+    """The `train.py` job: data, checks, config.yaml, training, and a closing summary."""
+    from transformer.data import prepare
+
+    lead = jax.process_index() == 0
+    sharding.mesh_shape(cfg, jax.device_count())  # refuse an impossible mesh before any work
+    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, workdir, log=log if lead else lambda _: None)
+    cfg = with_vocab(cfg, data.vocab_size)
+    mesh = sharding.make_mesh(cfg)
+    if lead:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.yaml").write_text(cfg.to_yaml())
+    result = train(cfg, data, workdir, mesh, log)
+    if lead:
+        baseline = unigram_entropy(data)
+        log(
+            f"done: {result.steps} steps; train loss {result.train_loss:.4f}; val loss {result.val['val_loss']:.4f} "
+            f"(unigram baseline {baseline:.4f}), val bits/byte {result.val['val_bits_per_byte']:.4f}; "
+            f"{result.tokens_per_s:,.0f} tokens/s, MFU {100 * result.mfu:.1f}%"
+        )
+    return result
