@@ -389,21 +389,25 @@ class Config:
             "data.seq_len",
             f"{self.data.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
         )
-        tensor = self.mesh.tensor
-        if tensor > 1:
-            for what, size in (
-                ("model.n_heads", m.n_heads),
-                ("model.n_kv_heads", m.n_kv_heads),
-                ("model.d_ff", m.d_ff),
-                ("the padded vocab (model.vocab_multiple)", m.padded_vocab),
-            ):
-                _check(size % tensor == 0, "mesh.tensor", f"{tensor} does not divide {what} = {size}")
+        if self.mesh.tensor > 1:
+            check_tensor_split(m, self.mesh.tensor)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def check_tensor_split(m: ModelConfig, tensor: int) -> None:
+    """Tensor parallelism splits heads, kv heads, the FFN width and the vocab: each must divide."""
+    for what, size in (
+        ("model.n_heads", m.n_heads),
+        ("model.n_kv_heads", m.n_kv_heads),
+        ("model.d_ff", m.d_ff),
+        ("the padded vocab (model.vocab_multiple)", m.padded_vocab),
+    ):
+        _check(size % tensor == 0, "mesh.tensor", f"{tensor} does not divide {what} = {size}")
 
 
 # --- schema walking ------------------------------------------------------------------------------

@@ -83,16 +83,26 @@ def source_fingerprint(cfg: DataConfig) -> str:
     raise DataError(f"data.source: unknown source {cfg.source!r} (builtin:stdlib, hf:NAME[:CONFIG], files:GLOB)")
 
 
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def _documents_from_files(cfg: DataConfig):
     import datasets
 
     arg = cfg.source.partition(":")[2]
     path = Path(os.path.expanduser(arg))
     if path.is_dir() and any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):
-        return datasets.load_from_disk(str(path))
+        try:
+            return datasets.load_from_disk(str(path))
+        except Exception as e:  # damaged, or a layout this datasets version cannot read back
+            raise DataError(f"data.source: cannot read {cfg.source}: {_first_line(e)}") from None
     files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(arg)
     if not files:
         raise DataError(f"data.source: {cfg.source} matches no file")
+    if all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"data.source: {cfg.source} is empty ({len(files)} file(s), 0 bytes)")
     builders = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
     kinds = {builders.get(f.suffix.lower()) for f in files}
     if None in kinds or len(kinds) != 1:
@@ -106,7 +116,7 @@ def _documents_from_files(cfg: DataConfig):
     try:
         return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, **options)
     except Exception as e:
-        raise DataError(f"data.source: cannot read {cfg.source}: {str(e).splitlines()[0]}") from None
+        raise DataError(f"data.source: cannot read {cfg.source}: {_first_line(e)}") from None
 
 
 def _documents_from_hub(cfg: DataConfig):
@@ -116,8 +126,9 @@ def _documents_from_hub(cfg: DataConfig):
     try:
         return datasets.load_dataset(name, config or None)
     except Exception as e:
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
-        offline = any(w in text.lower() for w in ("offline", "connection", "resolve", "internet", "network"))
+        text = _first_line(e)
+        words = ("offline", "connection", "resolve", "internet", "network")
+        offline = isinstance(e, ConnectionError) or any(w in text.lower() for w in words)  # "Couldn't reach"
         hint = " (offline?); download it where the hub is reachable, save it, and use files:PATH" if offline else ""
         raise DataError(f"data.source: cannot load {name} from the Hugging Face hub{hint}: {text}") from None
 
@@ -126,9 +137,14 @@ def _hash_fraction(text: str) -> float:
     return int.from_bytes(hashlib.sha1(text.encode("utf-8", "surrogateescape")).digest()[:8], "big") / 2**64
 
 
-@functools.lru_cache(maxsize=4)
 def load_splits(cfg: DataConfig) -> dict:
     """{'train': Dataset, 'val': Dataset}, each with the text in column cfg.text_field."""
+    # keyed by the files' fingerprint too: edited files are read again, not served from memory
+    return _load_splits(cfg, source_fingerprint(cfg) if cfg.source.startswith("files:") else "")
+
+
+@functools.lru_cache(maxsize=4)
+def _load_splits(cfg: DataConfig, fingerprint: str) -> dict:
     import datasets
 
     kind, _, arg = cfg.source.partition(":")
@@ -156,14 +172,20 @@ def load_splits(cfg: DataConfig) -> dict:
             f"data.text_field: {cfg.text_field!r} is not a column of {cfg.source} "
             f"(columns: {', '.join(train.column_names)})"
         )
-    if cfg.val_split in loaded:
+    hashed = cfg.val_split not in loaded
+    if not hashed:
         val = loaded[cfg.val_split]
     else:  # split by content hash: a document (and any copy of it) lands on one side only
         fraction = cfg.val_fraction
-        is_val = [_hash_fraction(t) < fraction for t in train[cfg.text_field]]
+        is_val = [_hash_fraction(t if isinstance(t, str) else "") < fraction for t in train[cfg.text_field]]
         val = train.select([i for i, v in enumerate(is_val) if v])
         train = train.select([i for i, v in enumerate(is_val) if not v])
     for name, split in (("train", train), ("val", val)):
+        if len(split) == 0 and hashed and len(train) + len(val) > 0:
+            raise DataError(
+                f"data.val_fraction: {cfg.val_fraction} leaves the {name} split of {cfg.source} with none of its "
+                f"{len(train) + len(val)} documents (or give the source a {cfg.val_split!r} split)"
+            )
         if len(split) == 0:
             raise DataError(f"data.source: the {name} split of {cfg.source} has no documents")
     return {"train": train, "val": val}
@@ -178,7 +200,10 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> By
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     if workdir is not None and (workdir / TOKENIZER_FILE).is_file():
-        tok = HFTokenizer((workdir / TOKENIZER_FILE).read_text())
+        try:
+            tok = load_pretrained(str(workdir / TOKENIZER_FILE))
+        except TokenizerError as e:  # a damaged run directory: say which file, exit 2
+            raise DataError(str(e)) from None
     elif cfg.tokenizer.startswith("pretrained:"):
         try:
             tok = load_pretrained(cfg.tokenizer.partition(":")[2])
@@ -206,8 +231,9 @@ def _prefix(texts, budget: int):
     for text in texts:
         if budget <= 0:
             return
-        budget -= len(text)
-        yield text
+        if isinstance(text, str):
+            budget -= len(text)
+            yield text
 
 
 # --- the token cache -----------------------------------------------------------------------------
@@ -401,6 +427,8 @@ class Data:
     def train_batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step` (rows split evenly over processes, in order)."""
         B = self.sampler.batch_size
+        if B % process_count:  # uneven shares would silently drop rows of the global batch
+            raise DataError(f"train.batch_size: {B} rows cannot be split evenly over {process_count} processes")
         per = B // process_count
         rows = range(process_index * per, (process_index + 1) * per)
         return self.train.batch(self.sampler.window_ids(step, rows))

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from transformer.config import Config, ConfigError
+from transformer.config import Config, ConfigError, check_tensor_split
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -43,12 +43,7 @@ def mesh_shape(cfg: Config, n_devices: int) -> dict[str, int]:
     if math.prod(sizes.values()) != n_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
         raise ConfigError("mesh", f"{shape} = {math.prod(sizes.values())} devices, but {n_devices} are available")
-    m, tensor = cfg.model, sizes["tensor"]
-    for key, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.d_ff", m.d_ff)):
-        if size % tensor:
-            raise ConfigError("mesh.tensor", f"{tensor} does not divide {key} = {size}")
-    if m.padded_vocab % tensor:
-        raise ConfigError("mesh.tensor", f"{tensor} does not divide the padded vocab {m.padded_vocab} (model.vocab_multiple)")
+    check_tensor_split(cfg.model, sizes["tensor"])
     batch_shards = sizes["data"] * sizes["fsdp"]
     if cfg.train.batch_size % (batch_shards * cfg.train.grad_accum):
         raise ConfigError(

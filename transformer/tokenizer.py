@@ -51,8 +51,17 @@ class HFTokenizer:
             self.tok.add_special_tokens([s for s, i in zip(SPECIALS, ids) if i is None])
             ids = [self.tok.token_to_id(s) for s in SPECIALS]
         self.bos_id, self.eos_id, self.pad_id = ids
+        # document text is only text: a literal "<eos>" in it must not become a document boundary
+        self.tok.encode_special_tokens = True
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.fingerprint = "hf-" + hashlib.sha256(json_text.encode()).hexdigest()[:16]
+        # hf2: ids of text that spells a special token changed (it used to give the special id)
+        self.fingerprint = "hf2-" + hashlib.sha256(json_text.encode()).hexdigest()[:16]
+
+    def __getstate__(self):  # worker processes rebuild it whole (encode_special_tokens is not pickled)
+        return {"json_text": self.json_text}
+
+    def __setstate__(self, state):
+        self.__init__(state["json_text"])
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, np.int64) for e in self.tok.encode_batch(texts, add_special_tokens=False)]

@@ -114,9 +114,9 @@ class Trainer:
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": nll_sum / count,
-            "grad_norm": optax.global_norm(grads),
-            "update_norm": optax.global_norm(updates),
-            "param_norm": optax.global_norm(params),
+            "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
+            "param_norm": optax.tree.norm(params),
             "lr": self.lr(state.step),
         }
         return TrainState(state.step + 1, params, opt_state), metrics

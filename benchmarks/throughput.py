@@ -1,0 +1,113 @@
+"""Training throughput and compile time on the current backend.
+
+    python benchmarks/throughput.py [--presets default cpu-6l384] [--steps 10] [--repeats 3]
+                                    [--compile-layers 2 8 32] [key.path=value ...]
+
+For each preset: median step time over `--steps` timed steps (after one warm-up step) in each of
+`--repeats` rounds, tokens/s, achieved TFLOP/s and MFU against the device peak (on CPU, a float32
+matmul peak measured at start-up). Then compile time of the train step for 2, 8 and 32 layers.
+Batches are random tokens: this measures the step, not the data pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformer import sharding  # noqa: E402
+from transformer.config import DEFAULT_CONFIG, load_config  # noqa: E402
+from transformer.metrics import device_peak_flops  # noqa: E402
+from transformer.model.summary import count_params, flops_per_token  # noqa: E402
+from transformer.trainer import Trainer  # noqa: E402
+
+PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
+
+
+def preset_path(name: str) -> Path:
+    return DEFAULT_CONFIG if name == "default" else PRESETS / f"{name}.yaml"
+
+
+def random_batch(cfg, rng):
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    rows = rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
+    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
+def time_steps(cfg, steps: int, repeats: int) -> tuple[list[float], float]:
+    mesh = sharding.make_mesh(cfg)
+    trainer = Trainer(cfg, mesh)
+    rng = np.random.default_rng(0)
+    state = trainer.init(jax.random.key(0))
+    batch = trainer.put_batch(random_batch(cfg, rng), cfg.train.batch_size)
+    start = time.perf_counter()
+    state, metrics = trainer.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    first = time.perf_counter() - start  # compile + one step
+    medians = []
+    for _ in range(repeats):
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            state, metrics = trainer.train_step(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+    return medians, first
+
+
+def compile_seconds(cfg) -> float:
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
+    state = jax.eval_shape(trainer.init, jax.random.key(0))
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    batch = {k: jax.ShapeDtypeStruct((B, T), np.int32) for k in ("inputs", "targets")}
+    start = time.perf_counter()
+    trainer.train_step.lower(state, batch).compile()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["default", "cpu-6l384"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile-layers", nargs="*", type=int, default=[2, 8, 32])
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+
+    peak, source = device_peak_flops()
+    n = jax.device_count()
+    print(f"backend {jax.default_backend()}, {n} device(s) {jax.devices()[0].device_kind}; "
+          f"peak {peak / 1e9:.1f} GFLOP/s per device ({source})")  # fmt: skip
+    print(f"{'preset':<12} {'params':>11} {'step ms':>9} {'tokens/s':>10} {'GFLOP/s':>9} {'MFU':>6}  rounds (ms)")
+    for name in args.presets:
+        cfg = load_config(preset_path(name), args.overrides)
+        medians, _ = time_steps(cfg, args.steps, args.repeats)
+        step = statistics.median(medians)
+        tokens = cfg.train.batch_size * cfg.data.seq_len
+        flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens / step
+        print(
+            f"{name:<12} {count_params(cfg.model):>11,} {1e3 * step:>9.1f} {tokens / step:>10,.0f} "
+            f"{flops / 1e9:>9.1f} {100 * flops / (peak * n):>5.1f}%  {', '.join(f'{1e3 * m:.1f}' for m in medians)}"
+        )
+    if args.compile_layers:
+        base = load_config(preset_path(args.presets[0]), args.overrides)
+        print("compile time of the train step (scan over layers):")
+        times = {}
+        for layers in args.compile_layers:
+            cfg = load_config(preset_path(args.presets[0]), [*args.overrides, f"model.n_layers={layers}"])
+            times[layers] = statistics.median(compile_seconds(cfg) for _ in range(args.repeats))
+            print(f"  {layers:>3} layers: {times[layers]:.2f} s")
+        lo, hi = min(times), max(times)
+        print(f"  {hi} layers / {lo} layers: {times[hi] / times[lo]:.2f}x  ({base.model.d_model=})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,829 @@
+"""Data pipeline: sources, splits, the token cache, packing, document layout and step-indexed batches.
+
+Every test works in its own cache directory (DataConfig(cache_dir=...)) and the Hugging Face datasets cache
+is redirected to a temporary directory, so nothing here touches the user's caches.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from transformer import data as D
+from transformer.config import DataConfig
+
+EOS = 257  # the byte tokenizer's end of document
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_hf_cache(tmp_path_factory):
+    import datasets
+
+    datasets.disable_progress_bars()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf-datasets"))
+        yield
+
+
+def restart():
+    """Forget everything held in memory, as a new process would."""
+    D._load_splits.cache_clear()
+
+
+def config(source: str, cache: Path, **kw) -> DataConfig:
+    kw.setdefault("seq_len", 16)
+    return DataConfig(source=source, cache_dir=str(cache), **kw)
+
+
+def quiet(messages: list | None = None):
+    return (lambda m: None) if messages is None else messages.append
+
+
+def make_docs(n: int, seed: int = 0, lo: int = 20, hi: int = 120) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+    docs = []
+    for i in range(n):
+        body = " ".join(rng.choice(words, size=int(rng.integers(lo, hi)) // 5))
+        docs.append(f"doc {i}: {body}.")
+    return docs
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def save_dict(path: Path, **splits: list[str]) -> Path:
+    import datasets
+
+    def dataset(docs):  # an empty split the way one usually arises (filtered), which datasets can read back
+        return datasets.Dataset.from_dict({"text": docs or [""]}).filter(lambda row: bool(docs))
+
+    datasets.DatasetDict({k: dataset(v) for k, v in splits.items()}).save_to_disk(path)
+    return path
+
+
+def stream_of(docs: list[str]) -> np.ndarray:
+    """The byte tokenizer's stream for documents in this order: each one followed by EOS."""
+    out = []
+    for d in docs:
+        out.extend(d.encode("utf-8"))
+        out.append(EOS)
+    return np.asarray(out, np.int64)
+
+
+def texts(split) -> list[str]:
+    return list(split["text"])
+
+
+def one_line_error(fn, *args, **kw) -> str:
+    with pytest.raises(D.DataError) as info:
+        fn(*args, **kw)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A .jsonl corpus without a validation split of its own (so it is split by document hash)."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = make_docs(120)
+    write_jsonl(root / "src" / "docs.jsonl", docs)
+    return dict(source=f"files:{root / 'src'}", docs=docs, root=root)
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory):
+    """A saved DatasetDict (train and validation splits) whose train split is 65 documents of 15 bytes."""
+    root = tmp_path_factory.mktemp("exact")
+    train = [f"train doc {i:04d}." for i in range(65)]  # 15 bytes + EOS = 16 tokens each
+    val = [f"validation {i:03d}" for i in range(9)]
+    assert all(len(d) == 15 for d in train)
+    save_dict(root / "dd", train=train, validation=val)
+    return dict(source=f"files:{root / 'dd'}", train=train, val=val, root=root)
+
+
+# 65 documents of 16 tokens = 1040 tokens; windows of seq_len+1 = 17 with stride 16: (1040 - 1) // 16 = 64
+N_WINDOWS = 64
+
+
+# --- determinism and process splits --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_batch_i_is_a_pure_function_of_config_seed_and_step(corpus, tmp_path, document_mask):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2, document_mask=document_mask)
+    first = D.prepare(cfg, batch_size=8, seed=3, log=quiet())
+    steps = [0, 1, 2, 7, 50, 1000]  # well past the first epoch too
+    expected = {i: first.train_batch(i) for i in steps}
+    del first
+    restart()
+    second = D.prepare(cfg, batch_size=8, seed=3, log=quiet())
+    for i in reversed(steps):  # order of asking does not matter
+        got = second.train_batch(i)
+        assert got.keys() == expected[i].keys()
+        assert ("segment_ids" in got) == document_mask
+        for k in got:
+            np.testing.assert_array_equal(got[k], expected[i][k], err_msg=f"step {i}, {k}")
+    other_seed = D.prepare(cfg, batch_size=8, seed=4, log=quiet())
+    assert not np.array_equal(other_seed.train_batch(0)["inputs"], expected[0]["inputs"])
+
+
+@pytest.mark.parametrize("process_count", [1, 2, 4])
+def test_union_over_processes_is_exactly_the_global_batch(corpus, tmp_path, process_count):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2, document_mask=True)
+    data = D.prepare(cfg, batch_size=8, seed=0, log=quiet())
+    for step in (0, 5, 123):
+        whole = data.train_batch(step)
+        parts = [data.train_batch(step, p, process_count) for p in range(process_count)]
+        assert all(len(part["inputs"]) == 8 // process_count for part in parts)
+        for k in whole:
+            np.testing.assert_array_equal(np.concatenate([part[k] for part in parts]), whole[k], err_msg=k)
+
+
+def test_a_global_batch_that_does_not_split_evenly_is_refused(corpus, tmp_path):
+    data = D.prepare(config(corpus["source"], tmp_path / "cache", val_fraction=0.2), 6, 0, log=quiet())
+    message = one_line_error(data.train_batch, 0, 0, 4)
+    assert message.startswith("train.batch_size:") and "4 processes" in message
+    assert len(data.train_batch(0, 1, 3)["inputs"]) == 2
+
+
+# --- epochs --------------------------------------------------------------------------------------
+
+
+def test_each_epoch_visits_every_window_once_in_a_fresh_order(exact, tmp_path):
+    cfg = config(exact["source"], tmp_path / "cache")
+    B = 8
+    data = D.prepare(cfg, batch_size=B, seed=0, log=quiet())
+    assert data.sampler.n == data.train.count == N_WINDOWS
+    steps_per_epoch = N_WINDOWS // B
+
+    def epoch(sampler, e):
+        return np.concatenate([sampler.window_ids(s) for s in range(e * steps_per_epoch, (e + 1) * steps_per_epoch)])
+
+    e0, e1 = epoch(data.sampler, 0), epoch(data.sampler, 1)
+    for ids in (e0, e1):
+        np.testing.assert_array_equal(np.sort(ids), np.arange(N_WINDOWS))
+    assert not np.array_equal(e0, e1), "the next epoch must be a different permutation"
+    assert not np.array_equal(e0, np.arange(N_WINDOWS)), "windows must be shuffled"
+    other = D.prepare(cfg, batch_size=B, seed=1, log=quiet())
+    assert not np.array_equal(epoch(other.sampler, 0), e0), "different seeds must give different orders"
+
+
+def test_epochs_follow_one_another_without_gap_or_repeat_when_batches_straddle_them():
+    n, B = 10, 4  # batches straddle the epoch boundaries
+    sampler = D.Sampler(n, B, seed=7)
+    flat = np.concatenate([sampler.window_ids(s) for s in range(15)])  # 60 ids = 6 epochs
+    for e in range(6):
+        chunk = flat[e * n : (e + 1) * n]
+        np.testing.assert_array_equal(np.sort(chunk), np.arange(n), err_msg=f"epoch {e}")
+        np.testing.assert_array_equal(chunk, sampler.permutation(e))
+    # rows of a step, asked for piecewise, are the same as the whole step
+    for s in range(15):
+        whole = sampler.window_ids(s)
+        np.testing.assert_array_equal(
+            np.concatenate([sampler.window_ids(s, range(0, 1)), sampler.window_ids(s, range(1, B))]), whole
+        )
+    assert sampler.epochs_consumed(5) == pytest.approx(2.0)
+
+
+# --- packing -------------------------------------------------------------------------------------
+
+
+def test_stream_is_the_split_documents_in_order_each_followed_by_eos(exact, tmp_path):
+    data = D.prepare(config(exact["source"], tmp_path / "cache"), batch_size=4, seed=0, log=quiet())
+    np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), stream_of(exact["train"]))
+    np.testing.assert_array_equal(np.asarray(data.val.tokens, np.int64), stream_of(exact["val"]))
+    assert data.tokenizer.eos_id == EOS and data.vocab_size == 259
+
+
+def test_hash_split_stream_follows_the_split_order(corpus, tmp_path):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.25)
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    splits = D.load_splits(cfg)
+    train, val = texts(splits["train"]), texts(splits["val"])
+    np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), stream_of(train))
+    np.testing.assert_array_equal(np.asarray(data.val.tokens, np.int64), stream_of(val))
+    # each side keeps the source's order
+    position = {d: i for i, d in enumerate(corpus["docs"])}
+    for side in (train, val):
+        assert [position[d] for d in side] == sorted(position[d] for d in side)
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_targets_are_inputs_shifted_by_one_in_the_token_stream(corpus, tmp_path, document_mask):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2, document_mask=document_mask)
+    data = D.prepare(cfg, batch_size=8, seed=0, log=quiet())
+    T = cfg.seq_len
+    stream = np.asarray(data.train.tokens, np.int64)
+    for step in (0, 3, 40):
+        batch = data.train_batch(step)
+        assert batch["inputs"].shape == batch["targets"].shape == (8, T)
+        assert batch["inputs"].dtype == np.int32
+        np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+        for row, w in enumerate(data.sampler.window_ids(step)):
+            np.testing.assert_array_equal(batch["inputs"][row], stream[w * T : w * T + T])
+            np.testing.assert_array_equal(batch["targets"][row], stream[w * T + 1 : w * T + T + 1])
+    # windows tile the stream: every token after the first is a target of exactly one window
+    targets = np.concatenate([data.train.batch(np.array([w]))["targets"][0] for w in range(data.train.count)])
+    np.testing.assert_array_equal(targets, stream[1 : 1 + data.train.count * T])
+    assert data.train.count == (len(stream) - 1) // T
+
+
+def test_document_layout_hand_made():
+    e = 9
+    inputs = np.array(
+        [
+            [1, 2, e, 3, 4, e, e, 5],
+            [e, 1, 1, 1, 1, 1, 1, 1],
+            [1, 1, 1, 1, 1, 1, 1, e],
+        ]
+    )
+    layout = D.document_layout(inputs, e)
+    np.testing.assert_array_equal(
+        layout["segment_ids"], [[0, 0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0]]
+    )
+    np.testing.assert_array_equal(
+        layout["positions"], [[0, 1, 2, 0, 1, 2, 0, 0], [0, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 7]]
+    )
+    assert layout["segment_ids"].dtype == layout["positions"].dtype == np.int32
+
+
+def test_document_layout_on_real_batches(corpus, tmp_path):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2, document_mask=True, seq_len=64)
+    data = D.prepare(cfg, batch_size=8, seed=0, log=quiet())
+    saw_boundary = False
+    for batch in [data.train_batch(s) for s in range(4)] + data.val_batches(4):
+        inputs, seg, pos = batch["inputs"], batch["segment_ids"], batch["positions"]
+        after_eos = inputs[:, :-1] == EOS
+        saw_boundary |= bool(after_eos.any())
+        assert (seg[:, 0] == 0).all() and (pos[:, 0] == 0).all()
+        np.testing.assert_array_equal(np.diff(seg, axis=1), after_eos.astype(np.int32))
+        np.testing.assert_array_equal(pos[:, 1:] == 0, after_eos)  # restart right after each EOS, only there
+        np.testing.assert_array_equal(np.where(after_eos, 0, pos[:, :-1] + 1), pos[:, 1:])
+    assert saw_boundary, "the corpus' documents are shorter than a window, so boundaries must occur"
+
+
+# --- validation windows --------------------------------------------------------------------------
+
+
+def test_validation_windows_are_fixed_by_the_data_config(corpus, tmp_path):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2, val_windows=10)
+    a = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    restart()
+    b = D.prepare(cfg, batch_size=8, seed=99, log=quiet())
+    np.testing.assert_array_equal(a.val_window_ids, b.val_window_ids)
+    assert len(a.val_window_ids) == min(10, a.val.count) and len(np.unique(a.val_window_ids)) == len(a.val_window_ids)
+    assert a.val_window_ids.min() >= 0 and a.val_window_ids.max() < a.val.count
+    # batched with padding: the real rows are exactly the fixed windows, padding weighs nothing
+    batches = a.val_batches(3)
+    real = np.concatenate([bt["inputs"][bt["weights"][:, 0] > 0] for bt in batches])
+    np.testing.assert_array_equal(real, a.val.batch(a.val_window_ids)["inputs"])
+    assert sum(bt["weights"].sum() for bt in batches) == len(a.val_window_ids) * cfg.seq_len
+    assert a.val_bytes_per_token == pytest.approx(1.0, abs=0.05)  # bytes: 1 per token, plus the EOSs
+
+
+# --- splits and sources --------------------------------------------------------------------------
+
+
+def test_hash_split_is_disjoint_by_content_and_deterministic(tmp_path):
+    docs = make_docs(200, seed=1)
+    docs = docs + docs[:50]  # exact copies must land on the same side as their originals
+    write_jsonl(tmp_path / "src" / "a.jsonl", docs)
+    cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache", val_fraction=0.2)
+    splits = D.load_splits(cfg)
+    train, val = texts(splits["train"]), texts(splits["val"])
+    assert not set(train) & set(val)
+    assert sorted(train + val) == sorted(docs)
+    assert 0.05 < len(val) / len(docs) < 0.4
+    restart()
+    again = D.load_splits(cfg)
+    assert texts(again["train"]) == train and texts(again["val"]) == val
+    # a larger fraction moves documents only from train to val
+    more = D.load_splits(config(cfg.source, tmp_path / "cache", val_fraction=0.5))
+    assert set(val) <= set(texts(more["val"]))
+
+
+def test_the_sources_own_validation_split_is_used(exact, tmp_path):
+    for fraction in (0.01, 0.5):  # ignored when the source has its own split
+        splits = D.load_splits(config(exact["source"], tmp_path / "cache", val_fraction=fraction))
+        assert texts(splits["train"]) == exact["train"]
+        assert texts(splits["val"]) == exact["val"]
+
+
+def test_a_custom_validation_split_name(tmp_path):
+    docs = make_docs(30)
+    save_dict(tmp_path / "dd", train=docs[:20], test=docs[20:])
+    splits = D.load_splits(config(f"files:{tmp_path / 'dd'}", tmp_path / "cache", val_split="test"))
+    assert texts(splits["val"]) == docs[20:] and texts(splits["train"]) == docs[:20]
+
+
+def _write_source(root: Path, kind: str, docs: list[str]) -> None:
+    import datasets
+
+    root.mkdir(parents=True)
+    if kind == "jsonl":
+        write_jsonl(root / "a.jsonl", docs[:10])
+        write_jsonl(root / "sub" / "b.jsonl", docs[10:])
+    elif kind == "csv":
+        datasets.Dataset.from_dict({"text": docs, "n": list(range(len(docs)))}).to_csv(root / "a.csv", index=False)
+    elif kind == "parquet":
+        datasets.Dataset.from_dict({"text": docs}).to_parquet(root / "a.parquet")
+    elif kind == "txt":  # one document per file
+        for i, d in enumerate(docs):
+            (root / f"{i:03d}.txt").write_text(d + "\nsecond line\n")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet", "txt"])
+def test_packaged_file_builders(tmp_path, kind):
+    docs = [d.replace(",", " ") for d in make_docs(40)]
+    _write_source(tmp_path / "src", kind, docs)
+    expected = [d + "\nsecond line\n" for d in docs] if kind == "txt" else docs
+    cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache", val_fraction=0.2)
+    splits = D.load_splits(cfg)
+    assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(expected)
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), stream_of(texts(splits["train"])))
+
+
+def test_a_glob_source(tmp_path):
+    docs = make_docs(40)
+    write_jsonl(tmp_path / "a.jsonl", docs[:20])
+    write_jsonl(tmp_path / "b.jsonl", docs[20:])
+    (tmp_path / "notes.md").write_text("not part of the corpus")
+    splits = D.load_splits(config(f"files:{tmp_path}/*.jsonl", tmp_path / "cache", val_fraction=0.2))
+    assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(docs)
+
+
+def test_non_utf8_bytes_do_not_crash_the_byte_tokenizer(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"{i}.txt").write_bytes(b"caf\xe9 \xff\xfe latin-1 and junk \x80\x81 " * 8 + f"file {i}\n".encode())
+    cfg = config(f"files:{src}", tmp_path / "cache", val_fraction=0.3)
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    tokens = np.asarray(data.train.tokens)
+    assert tokens.max() <= EOS and (tokens == EOS).sum() == len(D.load_splits(cfg)["train"])
+    text = data.tokenizer.decode(tokens)
+    assert "\ufffd" in text and "latin-1 and junk" in text  # undecodable bytes became U+FFFD
+    assert data.train_batch(0)["inputs"].shape == (4, 16)
+
+
+def test_missing_texts_are_empty_documents(tmp_path):
+    """A CSV cell left empty, a JSON line without the field: null text, an empty document, no crash."""
+    docs = make_docs(30)
+    src = tmp_path / "csv"
+    src.mkdir()
+    rows = [f"{'' if i % 7 == 0 else d.replace(',', ' ')},{i}\n" for i, d in enumerate(docs)]
+    (src / "a.csv").write_text("text,n\n" + "".join(rows))
+    data = D.prepare(config(f"files:{src}", tmp_path / "cache", val_fraction=0.2), batch_size=4, seed=0, log=quiet())
+    assert data.train.count >= 4
+    src = tmp_path / "json"
+    src.mkdir()
+    lines = [json.dumps({"text": d} if i % 7 else {"other": i}) + "\n" for i, d in enumerate(docs)]
+    (src / "a.jsonl").write_text("".join(lines))
+    cfg = config(f"files:{src}", tmp_path / "cache", val_fraction=0.2, tokenizer="bpe", vocab_size=300)
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert data.train.count >= 4
+
+
+def test_edited_files_are_read_again_in_the_same_process(tmp_path):
+    src = tmp_path / "src"
+    docs = make_docs(40)
+    write_jsonl(src / "a.jsonl", docs)
+    cfg = config(f"files:{src}", tmp_path / "cache", val_fraction=0.2)
+    before = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    write_jsonl(src / "a.jsonl", [d.upper() + "!" for d in docs])  # other size, so another fingerprint
+    after = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert after.cache_path != before.cache_path
+    text = bytes(np.asarray(after.train.tokens)[np.asarray(after.train.tokens) < 256].astype(np.uint8)).decode()
+    assert "DOC 0" in text or "DOC 1" in text
+    assert "alpha" not in text
+
+
+# --- the token cache -----------------------------------------------------------------------------
+
+
+def _no_tokenising(*args, **kw):
+    raise AssertionError("tokenised again although a complete cache exists")
+
+
+def test_a_second_run_reuses_the_cache_and_tokenises_nothing(corpus, tmp_path, monkeypatch):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2)
+    messages = []
+    first = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
+    assert any("tokenising" in m for m in messages)
+    meta = json.loads((first.cache_path / "meta.json").read_text())
+    assert meta["train"]["documents"] + meta["val"]["documents"] == len(corpus["docs"])
+    assert meta["train"]["tokens"] == len(first.train.tokens) and meta["dtype"] == "uint16"
+    restart()
+    monkeypatch.setattr(D, "_tokenise_split", _no_tokenising)
+    messages.clear()
+    second = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
+    assert not messages
+    assert second.cache_path == first.cache_path
+    np.testing.assert_array_equal(second.train_batch(3)["inputs"], first.train_batch(3)["inputs"])
+    # the key depends on the source, the tokenizer and the split rules, not on the run's shape
+    third = D.prepare(config(corpus["source"], tmp_path / "cache", val_fraction=0.2, seq_len=32), 4, 1, log=quiet())
+    assert third.cache_path == first.cache_path
+    assert D.cache_key(cfg, D.ByteTokenizer()) != D.cache_key(
+        config(corpus["source"], tmp_path / "cache", val_fraction=0.3), D.ByteTokenizer()
+    )
+
+
+def _delete_meta(path: Path):
+    (path / "meta.json").unlink()
+
+
+def _truncate_train(path: Path):
+    size = (path / "train.bin").stat().st_size
+    os.truncate(path / "train.bin", size - 6)
+
+
+def _garble_meta(path: Path):
+    (path / "meta.json").write_text('{"dtype": "uint16", "train": ')
+
+
+def _delete_val(path: Path):
+    (path / "val.bin").unlink()
+
+
+@pytest.mark.parametrize("damage", [_delete_meta, _truncate_train, _garble_meta, _delete_val])
+def test_a_damaged_cache_is_detected_and_rebuilt(corpus, tmp_path, damage):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2)
+    first = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    expected = np.array(first.train.tokens)
+    path = first.cache_path
+    del first
+    damage(path)
+    assert not D._is_complete(path)
+    restart()
+    messages = []
+    again = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
+    assert any("tokenising" in m for m in messages)
+    assert again.cache_path == path and D._is_complete(path)
+    np.testing.assert_array_equal(np.asarray(again.train.tokens), expected)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_an_interrupted_build_leaves_nothing_that_looks_complete(corpus, tmp_path, monkeypatch):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2)
+    real = D._tokenise_split
+
+    def interrupted(split, text_field, tokenizer, dtype, path):
+        if path.stem == "val":  # after the train split was written
+            raise KeyboardInterrupt
+        return real(split, text_field, tokenizer, dtype, path)
+
+    monkeypatch.setattr(D, "_tokenise_split", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    key = D.cache_key(cfg, D.ByteTokenizer())
+    cache = tmp_path / "cache"
+    assert not (cache / key).exists()
+    assert not list(cache.glob(f"{key}*"))
+    monkeypatch.setattr(D, "_tokenise_split", real)
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert D._is_complete(data.cache_path)
+
+
+def test_stale_partial_builds_are_cleaned_and_live_ones_kept(corpus, tmp_path):
+    cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2)
+    key = D.cache_key(cfg, D.ByteTokenizer())
+    cache = tmp_path / "cache"
+    stale = cache / f"{key}.partial-{_dead_pid()}-deadbeef"
+    live = cache / f"{key}.partial-{os.getpid()}-0123abcd"  # a build still running in a live process
+    other = cache / f"{'0' * 20}.partial-{_dead_pid()}-deadbeef"  # another key's: not ours to judge now
+    for d in (stale, live, other):
+        d.mkdir(parents=True)
+        (d / "train.bin").write_bytes(b"\0" * 100)
+        (d / "meta.json").write_text("{}")
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert data.cache_path == cache / key and D._is_complete(data.cache_path)
+    assert not stale.exists()
+    assert live.exists() and other.exists()
+
+
+def test_token_dtype():
+    assert D.token_dtype(259) == np.uint16
+    assert D.token_dtype(4096) == np.uint16
+    assert D.token_dtype(2**16) == np.uint16  # ids 0..65535 fit
+    assert D.token_dtype(2**16 + 1) == np.uint32
+    assert D.token_dtype(200_000) == np.uint32
+
+
+def _wordlevel_tokenizer(path: Path, n_words: int) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n_words)} | {"[UNK]": n_words}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path.write_text(tok.to_str())
+    return path
+
+
+def test_a_vocab_beyond_uint16_is_stored_as_uint32_without_loss(tmp_path):
+    n = 70_000
+    tok = _wordlevel_tokenizer(tmp_path / "big.json", n)
+    rng = np.random.default_rng(0)
+    docs = [" ".join(f"w{int(i)}" for i in rng.integers(0, n, size=30)) for _ in range(30)]
+    write_jsonl(tmp_path / "src" / "a.jsonl", docs)
+    cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache", tokenizer=f"pretrained:{tok}", val_fraction=0.2)
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert data.vocab_size > 2**16 and data.train.tokens.dtype == np.uint32
+    assert data.tokenizer.eos_id > 2**16
+    eos = data.tokenizer.eos_id
+    expected = [i for d in texts(D.load_splits(cfg)["train"]) for i in [*(int(w[1:]) for w in d.split()), eos]]
+    np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), expected)
+    byte = D.prepare(config(cfg.source, tmp_path / "cache", val_fraction=0.2), batch_size=4, seed=0, log=quiet())
+    assert byte.train.tokens.dtype == np.uint16
+
+
+# --- BPE -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe_corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bpe")
+    rng = np.random.default_rng(5)
+    words = ["transformer", "attention", "layer", "norm", "residual", "gradient", "token", "batch", "über", "naïve"]
+    docs = [" ".join(rng.choice(words, size=int(rng.integers(10, 40)))) + f" #{i}" for i in range(80)]
+    write_jsonl(root / "src" / "a.jsonl", docs)
+    return dict(source=f"files:{root / 'src'}", docs=docs)
+
+
+def test_bpe_trained_saved_and_reloaded_gives_identical_ids(bpe_corpus, tmp_path):
+    workdir = tmp_path / "run"
+    cfg = config(bpe_corpus["source"], tmp_path / "cache1", tokenizer="bpe", vocab_size=320, val_fraction=0.2)
+    first = D.prepare(cfg, batch_size=4, seed=0, workdir=workdir, log=quiet())
+    saved = workdir / "tokenizer.json"
+    assert saved.is_file()
+    assert 259 < first.vocab_size <= 320
+    stream = np.asarray(first.train.tokens)
+    n_bytes = sum(len(t.encode()) + 1 for t in texts(D.load_splits(cfg)["train"]))
+    assert len(stream) < 0.7 * n_bytes, "a trained BPE merges frequent byte pairs"
+    assert stream.max() < first.vocab_size
+    eos_positions = np.flatnonzero(stream == first.tokenizer.eos_id)
+    assert len(eos_positions) == len(D.load_splits(cfg)["train"]) and eos_positions[-1] == len(stream) - 1
+    # decoding each document gives its text back
+    docs = np.split(stream, eos_positions[:-1] + 1)
+    assert [first.tokenizer.decode(d) for d in docs[:5]] == texts(D.load_splits(cfg)["train"])[:5]
+
+    # a restart with the same run directory, in a fresh cache: the saved tokenizer, the same ids
+    restart()
+    cfg2 = config(bpe_corpus["source"], tmp_path / "cache2", tokenizer="bpe", vocab_size=320, val_fraction=0.2)
+    again = D.prepare(cfg2, batch_size=4, seed=0, workdir=workdir, log=quiet())
+    assert again.tokenizer.fingerprint == first.tokenizer.fingerprint
+    np.testing.assert_array_equal(np.asarray(again.train.tokens), stream)
+    np.testing.assert_array_equal(np.asarray(again.val.tokens), np.asarray(first.val.tokens))
+    assert not list((tmp_path / "cache2").glob("bpe-*.json")), "the run's own tokenizer wins; nothing is trained"
+
+    # pretrained:PATH (a file or the directory holding it) loads the same tokenizer
+    for spec in (saved, workdir):
+        cfg3 = config(bpe_corpus["source"], tmp_path / "cache3", tokenizer=f"pretrained:{spec}", val_fraction=0.2)
+        other = D.prepare(cfg3, batch_size=4, seed=0, log=quiet())
+        np.testing.assert_array_equal(np.asarray(other.train.tokens), stream)
+        assert other.tokenizer.eos_id == first.tokenizer.eos_id
+
+
+def test_a_literal_eos_in_a_document_is_not_a_document_boundary(tmp_path):
+    """Enough documents that datasets.map tokenises in several processes (where there are cores)."""
+    docs = [f"doc {i}: the <eos> token and <pad> are just text here" + " filler" * (i % 5) for i in range(600)]
+    write_jsonl(tmp_path / "src" / "a.jsonl", docs)
+    cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache", tokenizer="bpe", vocab_size=300, val_fraction=0.1)
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    stream = np.asarray(data.train.tokens)
+    train = texts(D.load_splits(cfg)["train"])
+    assert len(train) >= 512
+    assert (stream == data.tokenizer.eos_id).sum() == len(train) and stream[-1] == data.tokenizer.eos_id
+    assert not (stream == data.tokenizer.pad_id).any()
+    pieces = np.split(stream, np.flatnonzero(stream == data.tokenizer.eos_id)[:-1] + 1)
+    assert [data.tokenizer.decode(piece) for piece in pieces] == train
+
+
+def test_bpe_is_kept_in_the_cache_for_later_runs(bpe_corpus, tmp_path, monkeypatch):
+    cfg = config(bpe_corpus["source"], tmp_path / "cache", tokenizer="bpe", vocab_size=300, val_fraction=0.2)
+    first = D.prepare(cfg, batch_size=4, seed=0, workdir=tmp_path / "run1", log=quiet())
+    assert len(list((tmp_path / "cache").glob("bpe-*.json"))) == 1
+    restart()
+
+    def no_training(*a, **k):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(D, "train_bpe", no_training)
+    monkeypatch.setattr(D, "_tokenise_split", _no_tokenising)
+    second = D.prepare(cfg, batch_size=4, seed=0, workdir=tmp_path / "run2", log=quiet())
+    assert (tmp_path / "run2" / "tokenizer.json").read_text() == (tmp_path / "run1" / "tokenizer.json").read_text()
+    assert second.cache_path == first.cache_path
+
+
+def test_broken_tokenizer_files_are_clear_data_errors(bpe_corpus, tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model": {"type": "BPE", "vocab": ')
+    cfg = config(bpe_corpus["source"], tmp_path / "cache", tokenizer=f"pretrained:{broken}")
+    message = one_line_error(D.prepare, cfg, 4, 0, log=quiet())
+    assert message.startswith("data.tokenizer:") and str(broken) in message
+
+    valid_json = tmp_path / "valid.json"
+    valid_json.write_text('{"not": "a tokenizer"}')
+    message = one_line_error(D.prepare, config(cfg.source, cfg.cache_dir, tokenizer=f"pretrained:{valid_json}"), 4, 0)
+    assert message.startswith("data.tokenizer:") and str(valid_json) in message
+
+    missing = tmp_path / "nowhere"
+    message = one_line_error(D.prepare, config(cfg.source, cfg.cache_dir, tokenizer=f"pretrained:{missing}"), 4, 0)
+    assert message.startswith("data.tokenizer:") and "nowhere" in message
+
+    # a damaged tokenizer.json in the run directory
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tokenizer.json").write_text("{not json")
+    bpe = config(cfg.source, cfg.cache_dir, tokenizer="bpe", vocab_size=300)
+    message = one_line_error(D.prepare, bpe, 4, 0, workdir=run, log=quiet())
+    assert message.startswith("data.tokenizer:") and "tokenizer.json" in message
+
+    too_small = config(cfg.source, cfg.cache_dir, tokenizer="bpe", vocab_size=100, val_fraction=0.2)
+    message = one_line_error(D.prepare, too_small, 4, 0, log=quiet())
+    assert message.startswith("data.vocab_size:")
+
+
+# --- errors: one line, naming the key ------------------------------------------------------------
+
+
+def test_empty_source(tmp_path):
+    for name in ("a.jsonl", "a.txt"):
+        src = tmp_path / name.replace(".", "_")
+        src.mkdir()
+        (src / name).write_text("")
+        message = one_line_error(D.prepare, config(f"files:{src}", tmp_path / "cache"), 4, 0, log=quiet())
+        assert message.startswith("data.source:") and "empty" in message
+
+
+def test_empty_split(tmp_path):
+    save_dict(tmp_path / "dd", train=make_docs(20), validation=[])
+    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'dd'}", tmp_path / "cache"))
+    assert message.startswith("data.source:") and "val" in message and "no documents" in message
+
+    save_dict(tmp_path / "dd2", train=[], validation=make_docs(5))
+    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'dd2'}", tmp_path / "cache"))
+    assert message.startswith("data.source:") and "train" in message
+
+
+def test_a_hash_split_that_leaves_validation_empty_names_val_fraction(tmp_path):
+    write_jsonl(tmp_path / "src" / "a.jsonl", make_docs(20))
+    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'src'}", tmp_path / "cache", val_fraction=0.0))
+    assert message.startswith("data.val_fraction:") and "20 documents" in message
+
+
+def test_a_missing_train_split(tmp_path):
+    save_dict(tmp_path / "dd", training=make_docs(20), validation=make_docs(5))
+    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'dd'}", tmp_path / "cache"))
+    assert message.startswith("data.train_split:") and "training" in message
+
+
+def test_a_corpus_smaller_than_one_global_batch(tmp_path):
+    docs = make_docs(30)
+    save_dict(tmp_path / "dd", train=docs[:3], validation=docs[3:])
+    cfg = config(f"files:{tmp_path / 'dd'}", tmp_path / "cache", seq_len=64)
+    have = len(stream_of(docs[:3]))
+    need = 16 * 64 + 1
+    assert have < need
+    message = one_line_error(D.prepare, cfg, 16, 0, log=quiet())
+    assert message.startswith("data.source:")
+    assert f"{have:,} tokens" in message and f"{need:,}" in message and "16 x 64" in message
+
+
+def test_a_validation_split_shorter_than_one_window(tmp_path):
+    docs = make_docs(30)
+    save_dict(tmp_path / "dd", train=docs, validation=["tiny"])
+    message = one_line_error(D.prepare, config(f"files:{tmp_path / 'dd'}", tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.val_fraction:") and "5 tokens" in message
+
+
+def test_a_missing_text_field_lists_the_columns(corpus, tmp_path):
+    cfg = config(corpus["source"], tmp_path / "cache", text_field="content")
+    message = one_line_error(D.prepare, cfg, 4, 0, log=quiet())
+    assert message.startswith("data.text_field:") and "'content'" in message
+    assert message.endswith("(columns: text, id)")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "files:{tmp}/does/not/exist",
+        "files:{tmp}/*.parquet",
+        "files:{tmp}/**/*.jsonl",
+    ],
+)
+def test_a_path_or_glob_matching_nothing(tmp_path, source):
+    (tmp_path / "present.txt").write_text("something")
+    source = source.format(tmp=tmp_path)
+    message = one_line_error(D.prepare, config(source, tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.source:") and source in message and "no file" in message
+
+
+def test_unreadable_or_mixed_files(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.parquet").write_bytes(b"this is not a parquet file" * 10)
+    message = one_line_error(D.prepare, config(f"files:{bad}", tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.source:") and "cannot read" in message
+
+    mixed = tmp_path / "mixed"
+    write_jsonl(mixed / "a.jsonl", make_docs(5))
+    (mixed / "b.txt").write_text("text")
+    message = one_line_error(D.prepare, config(f"files:{mixed}", tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.source:") and ".jsonl" in message and ".txt" in message
+
+    damaged = save_dict(tmp_path / "damaged", train=make_docs(10), validation=make_docs(3))
+    for arrow in (damaged / "train").glob("*.arrow"):
+        arrow.unlink()
+    message = one_line_error(D.prepare, config(f"files:{damaged}", tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.source:") and "cannot read" in message
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "a.docx").write_text("text")
+    message = one_line_error(D.prepare, config(f"files:{odd}", tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.source:") and ".docx" in message
+
+
+def test_an_unknown_builtin_corpus(tmp_path):
+    message = one_line_error(D.prepare, config("builtin:nothing", tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.source:") and "builtin:stdlib" in message
+
+
+def test_a_hub_dataset_while_offline(tmp_path):
+    script = textwrap.dedent(
+        """
+        from transformer import data as D
+        from transformer.config import DataConfig
+        try:
+            D.load_splits(DataConfig(source="hf:someone/nonexistent-dataset", cache_dir="unused"))
+        except D.DataError as e:
+            print("DATAERROR", e)
+        """
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("DATAERROR")]
+    assert lines, out.stdout + out.stderr
+    message = lines[0].removeprefix("DATAERROR ")
+    assert message.startswith("data.source:") and "offline" in message and "files:" in message
+
+
+def test_an_unreachable_hub_suggests_files_too(monkeypatch):
+    """Without the offline variables, datasets reports a missing network as ConnectionError("Couldn't reach ...")."""
+    import datasets
+
+    def unreachable(*a, **k):
+        raise ConnectionError("Couldn't reach 'someone/thing' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    message = one_line_error(D.load_splits, DataConfig(source="hf:someone/thing"))
+    assert message.startswith("data.source:") and "offline" in message and "files:" in message
+
+
+# --- the built-in corpus -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def stdlib_data(tmp_path_factory):
+    cfg = DataConfig(source="builtin:stdlib", seq_len=64, cache_dir=str(tmp_path_factory.mktemp("stdlib-cache")))
+    return cfg, D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+
+
+def test_builtin_stdlib(stdlib_data):
+    cfg, data = stdlib_data
+    assert data.vocab_size == 259 and data.train.tokens.dtype == np.uint16
+    assert data.sampler.n > 100_000 and data.val.count > 100
+    batch = data.train_batch(0)
+    assert batch["inputs"].shape == (4, 64)
+    assert batch["inputs"].min() >= 0 and batch["inputs"].max() < 259
+    text = "".join(data.tokenizer.decode(row) for s in range(8) for row in data.train_batch(s)["inputs"])
+    assert sum(text.count(w) for w in ("def ", "self", "import ", "return", "    ")) > 10, text[:500]
+    head = data.tokenizer.decode(np.asarray(data.train.tokens[:20000]))
+    assert "import " in head or "def " in head
+    # reused, not tokenised again
+    restart()
+    messages = []
+    again = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
+    assert not messages and again.cache_path == data.cache_path

@@ -1,0 +1,261 @@
+"""Trainer: identical losses across meshes and processes, accumulation, optimiser pieces, the CLI job."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import sharding
+from transformer.config import ConfigError, OptimConfig, load_config
+from transformer.data import prepare
+from transformer.optim import decay_mask, schedule
+from transformer.trainer import cross_entropy, train, with_vocab
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small JSONL corpus: 300 documents of random words (tokenises in a second)."""
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for i in range(300):
+            words = " ".join(rng.choice(WORDS, rng.integers(20, 80)))
+            f.write(json.dumps({"text": f"document {i}: {words}."}) + "\n")
+    return path
+
+
+def tiny_run(corpus: Path, cache: Path, *overrides: str):
+    return load_config(
+        None,
+        [
+            f"data.source=files:{corpus}", f"data.cache_dir={cache}", "data.seq_len=32", "data.val_windows=8",
+            "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_multiple=16",
+            "train.batch_size=8", "train.steps=6", "train.eval_every=6", "logging.every=1",
+            "logging.progress=false", "logging.tensorboard=false", "optim.warmup_steps=2", *overrides,
+        ],
+    )  # fmt: skip
+
+
+def run_tiny(cfg):
+    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
+    cfg = with_vocab(cfg, data.vocab_size)
+    mesh = sharding.make_mesh(cfg, jax.devices()[:1])
+    losses = []
+    result = train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda s, m: losses.append(m["loss"]))
+    return losses, result
+
+
+def test_losses_identical_across_meshes(corpus, tmp_path):
+    meshes = [
+        {"devices": 1},
+        {"devices": 8, "data": 8},
+        {"devices": 8, "data": 1, "fsdp": 8},
+        {"devices": 8, "data": 2, "fsdp": 2, "tensor": 2},
+        {"devices": 8, "data": 2, "tensor": 4},
+    ]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    reference = results[0]["losses"]
+    assert len(reference) == 20
+    for r in results[1:]:
+        np.testing.assert_allclose(r["losses"], reference, rtol=1e-5, err_msg=str(r["mesh"]))
+    by_mesh = {tuple(r["mesh"].values()): r["specs"] for r in results}
+    assert by_mesh[(1, 8, 1)]["embed"] == "P(None, 'fsdp')"
+    assert by_mesh[(1, 8, 1)]["qkv"] == "P(None, 'fsdp', None, None, None)"
+    assert by_mesh[(2, 2, 2)]["qkv"] == "P(None, 'fsdp', 'tensor', None, None)"
+    assert by_mesh[(2, 2, 2)]["out"] == "P(None, 'tensor', None, 'fsdp')"
+    assert by_mesh[(2, 1, 4)]["w_in"] == "P(None, None, None, 'tensor')"
+    assert by_mesh[(2, 1, 4)]["embed"] == "P('tensor', None)"
+    assert by_mesh[(8, 1, 1)]["qkv"] == "P(None, None, None, None, None)"
+
+
+def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
+    one, r1 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=1"))
+    four, r4 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=4"))
+    np.testing.assert_allclose(four, one, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), r1.params, r4.params)
+
+
+def test_dropout_run_is_reproducible_and_differs_from_no_dropout(corpus, tmp_path):
+    a, _ = run_tiny(tiny_run(corpus, tmp_path, "model.dropout=0.2"))
+    b, _ = run_tiny(tiny_run(corpus, tmp_path, "model.dropout=0.2"))
+    c, _ = run_tiny(tiny_run(corpus, tmp_path))
+    assert a == b
+    assert a != c
+
+
+def test_weight_decay_mask():
+    params = {
+        "embed": 1, "pos_embed": 1, "head": 1,
+        "blocks": {"attn": {"qkv": 1, "out": 1, "qkv_bias": 1, "out_bias": 1, "q_norm": {"scale": 1}},
+                   "ffn": {"w_in": 1, "w_out": 1, "b_in": 1, "b_out": 1}, "attn_norm": {"scale": 1, "bias": 1}},
+        "final_norm": {"scale": 1},
+    }  # fmt: skip
+    mask = decay_mask(params, decay_embeddings=False)
+    assert mask["blocks"]["attn"] == {"qkv": True, "out": True, "qkv_bias": False, "out_bias": False,
+                                      "q_norm": {"scale": False}}  # fmt: skip
+    assert mask["blocks"]["ffn"] == {"w_in": True, "w_out": True, "b_in": False, "b_out": False}
+    assert mask["blocks"]["attn_norm"] == {"scale": False, "bias": False}
+    assert (mask["embed"], mask["pos_embed"], mask["head"], mask["final_norm"]["scale"]) == (False, False, True, False)
+    assert decay_mask(params, decay_embeddings=True)["embed"] is True
+
+
+def test_decay_touches_matrices_only_in_the_real_parameter_tree():
+    """Zero gradients: AdamW's update is then exactly -lr * wd * w where decay applies, else 0."""
+    from flax import nnx
+
+    from transformer.model import Transformer
+    from transformer.optim import make_optimizer
+
+    cfg = load_config(None, ["model.use_bias=true", "model.norm=layernorm", "model.qk_norm=true",
+                             "model.tie_embeddings=false", "model.d_model=32", "model.n_layers=1"])  # fmt: skip
+    params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param))
+    opt_cfg = OptimConfig(lr=0.5, weight_decay=0.1, warmup_steps=0, schedule="constant", clip_norm=None)
+    tx = make_optimizer(opt_cfg, 10, params)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    flat = {"/".join(str(k.key) for k in path): (u, p) for (path, u), p in
+            zip(jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(params))}  # fmt: skip
+    decayed = sorted(name for name, (u, p) in flat.items() if np.any(u != 0))
+    assert decayed == ["blocks/attn/out", "blocks/attn/qkv", "blocks/ffn/w_in", "blocks/ffn/w_out", "head"]
+    for name in decayed:
+        u, p = flat[name]
+        np.testing.assert_allclose(u, -0.5 * 0.1 * p, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kind, step, want",
+    [
+        ("cosine", 0, 0.1), ("cosine", 9, 1.0), ("cosine", 55, 0.1 + 0.9 * 0.5), ("cosine", 100, 0.1),
+        ("cosine", 500, 0.1), ("linear", 55, 0.1 + 0.9 * 0.5), ("linear", 100, 0.1), ("constant", 80, 1.0),
+        ("wsd", 50, 1.0), ("wsd", 80, 1.0), ("wsd", 90, 1 - 0.9 * 0.5), ("wsd", 100, 0.1),
+    ],
+)  # fmt: skip
+def test_schedule_values(kind, step, want):
+    cfg = OptimConfig(lr=2.0, schedule=kind, warmup_steps=10, min_lr_ratio=0.1, decay_fraction=0.2)
+    assert float(schedule(cfg, 100)(step)) == pytest.approx(2.0 * want, rel=1e-5)
+
+
+def test_cross_entropy_and_z_loss_by_hand():
+    logits = jnp.asarray([[[0.0, math.log(3.0)], [2.0, 2.0]]])
+    targets = jnp.asarray([[1, 0]])
+    weights = jnp.asarray([[1.0, 0.0]])  # the second token is padding
+    objective, nll, count = cross_entropy(logits, targets, weights, z_loss=0.5)
+    log_z = math.log(1 + 3)
+    assert float(nll) == pytest.approx(log_z - math.log(3.0))
+    assert float(count) == 1.0
+    assert float(objective) == pytest.approx(log_z - math.log(3.0) + 0.5 * log_z**2)
+
+
+@pytest.mark.parametrize(
+    "overrides, devices, fragment",
+    [
+        (["mesh.data=3"], 8, "mesh: data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"),
+        (["mesh.data=3", "mesh.fsdp=-1"], 8, "mesh.fsdp: cannot fill: 8 devices are not divisible by 3"),
+        (["mesh.data=1", "mesh.tensor=8"], 8, "mesh.tensor: 8 does not divide model.n_heads = 4"),
+        (["model.n_heads=8", "model.n_kv_heads=2", "mesh.data=2", "mesh.tensor=4"], 8, "model.n_kv_heads = 2"),
+        (["model.d_ff=99", "mesh.data=4", "mesh.tensor=2"], 8, "model.d_ff = 99"),
+        (["model.vocab_multiple=1", "model.vocab_size=259", "mesh.data=4", "mesh.tensor=2"], 8, "padded vocab (model.vocab_multiple) = 259"),
+        (["train.batch_size=12", "mesh.data=8"], 8, "train.batch_size: 12 is not divisible by data x fsdp"),
+    ],
+)
+def test_invalid_meshes_are_refused(overrides, devices, fragment):
+    with pytest.raises(ConfigError) as e:
+        cfg = load_config(None, overrides)
+        sharding.mesh_shape(cfg, devices)
+    assert fragment in str(e.value)
+
+
+def cli(*args, env=None, timeout=600):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_invalid_mesh_exits_2_from_the_cli(tmp_path):
+    out = cli("mesh.data=3", "--workdir", str(tmp_path / "run"), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["train.py: error: config: mesh: data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_cli_end_to_end(corpus, tmp_path):
+    workdir = tmp_path / "run"
+    out = cli(
+        f"data.source=files:{corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=64",
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "train.batch_size=8", "train.steps=30",
+        "train.eval_every=15", "logging.every=5", "optim.lr=3e-3", "optim.warmup_steps=5", "--workdir", str(workdir),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert {"config.yaml", "metrics.jsonl", "events.jsonl", "tb"} <= {p.name for p in workdir.iterdir()}
+    assert any(p.name.startswith("events.out.tfevents") for p in (workdir / "tb").iterdir())
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "loss" in r]
+    val_records = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train_records] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in val_records] == [15, 30]
+    for key in ("grad_norm", "param_norm", "update_norm", "lr", "step_time", "tokens_per_s", "mfu"):
+        assert all(key in r for r in train_records[1:]), key
+    assert train_records[-1]["loss"] < 0.7 * train_records[0]["loss"]
+    assert val_records[-1]["val_loss"] < val_records[0]["val_loss"]
+    assert "val_bits_per_byte" in val_records[-1] and "val_perplexity" in val_records[-1]
+    saved = load_config(workdir / "config.yaml")
+    assert saved.model.vocab_size == 259 and saved.train.steps == 30
+    events = [json.loads(line)["event"] for line in (workdir / "events.jsonl").read_text().splitlines()]
+    assert events == ["start", "end"]
+    assert "unigram baseline" in out.stdout and "MFU" in out.stdout
+    # the same directory again is refused rather than mixed with the first run
+    again = cli(f"data.source=files:{corpus}", "--workdir", str(workdir))
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process(corpus, tmp_path):
+    common = [
+        f"data.source=files:{corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
+        "data.val_windows=8", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "train.batch_size=8",
+        "train.steps=8", "train.eval_every=8", "logging.every=1", "logging.progress=false", "mesh.data=2",
+        "mesh.fsdp=2",
+    ]  # fmt: skip
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    single = cli(*common, "--workdir", str(tmp_path / "one"), env=flags)
+    assert single.returncode == 0, single.stderr[-3000:]
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "train.py", *common, "--workdir", str(tmp_path / "two"), "--coordinator",
+             f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+
+    def losses(run):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines if '"loss"' in line]
+
+    assert len(losses("one")) == 8
+    np.testing.assert_allclose(losses("two"), losses("one"), rtol=1e-5)
