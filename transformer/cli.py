@@ -12,7 +12,9 @@ from pathlib import Path
 
 from transformer.config import ConfigError, load_config
 
-EXIT_USAGE = 2
+EXIT_FAILED = 1  # the run could not go on: no usable checkpoint, a failed save
+EXIT_USAGE = 2  # a user mistake: config, arguments, data, an unsafe change on resume
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL: run it again)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,19 +70,24 @@ def train_main(argv: list[str] | None = None) -> int:
         print(summary_text(cfg.model, cfg.data.seq_len))
         return 0
 
+    from transformer.checkpoint import CheckpointError
     from transformer.data import DataError
-    from transformer.trainer import run
+    from transformer.trainer import Preempted, run
 
     _distributed(args)
     workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)
-    if (workdir / "metrics.jsonl").exists():
-        _fail("train.py", f"{workdir} already holds a run; resuming needs checkpoints, which are not built yet")
     try:
         run(cfg, workdir)
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
     except DataError as e:
         _fail("train.py", f"data: {e}")
+    except CheckpointError as e:
+        print(f"train.py: error: checkpoint: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except Preempted as e:
+        print(f"train.py: preempted: checkpoint of step {e.step} written; run the same command to resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

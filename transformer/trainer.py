@@ -9,7 +9,9 @@ the model inside the step, so optax, orbax and the sharding table all see ordina
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -21,7 +23,7 @@ import optax
 from flax import nnx
 
 from transformer import sharding
-from transformer.config import Config
+from transformer.config import Config, ConfigError
 from transformer.data import Data
 from transformer.metrics import Progress, RunWriter, device_peak_flops
 from transformer.model import Transformer
@@ -165,6 +167,54 @@ class RunResult:
     params: dict | None = None  # the trained parameters, for callers that inspect them
 
 
+class Preempted(Exception):
+    """Raised after a preemption checkpoint was written; `step` is the step it holds."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted at step {step}")
+        self.step = step
+
+
+class StopSignal:
+    """SIGTERM / SIGINT ask the loop to stop after the current step (and checkpoint); a second
+    SIGINT exits at once. Only installable from the main thread; elsewhere it stays inert."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        import os
+        import signal
+
+        if self.requested is not None and signum == signal.SIGINT:
+            os._exit(130)  # the second Ctrl-C: the user really wants out
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def should_stop(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            # every host must stop at the same step: JAX's preemption sync point agrees on one
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested is not None
+
+
 def train(
     cfg: Config,
     data: Data,
@@ -172,9 +222,15 @@ def train(
     mesh: jax.sharding.Mesh | None = None,
     log: Callable[[str], None] = print,
     on_metrics: Callable[[int, dict], None] | None = None,
+    checkpointer=None,
+    start: TrainState | None = None,
+    stop: StopSignal | None = None,
 ) -> RunResult:
-    """Train `cfg` from scratch, writing metrics and events to `workdir` (process 0 only).
-    `on_metrics(step, values)` sees every logged set of training metrics (tests, notebooks)."""
+    """Train `cfg` from `start` (or from scratch), writing metrics and events to `workdir` (process 0
+    only) and checkpoints through `checkpointer`. `on_metrics(step, values)` sees every logged set of
+    training metrics (tests, notebooks)."""
+    from transformer.checkpoint import meta_record, state_is_finite
+
     mesh = mesh or sharding.make_mesh(cfg)
     lead = jax.process_index() == 0
     writer = RunWriter(workdir, lead, cfg.logging.tensorboard)
@@ -190,12 +246,12 @@ def train(
             f"{count_params(cfg.model):,} parameters on {n_devices} {jax.devices()[0].platform} device(s), "
             f"mesh {dict(mesh.shape)}; peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})"
         )
-    writer.event("start", 0, devices=n_devices, mesh=dict(mesh.shape), peak_flops=peak)
-
-    state = trainer.init(jax.random.key(cfg.train.seed))
-    progress = Progress(cfg.train.steps, 0, lead and cfg.logging.progress)
+    state = start if start is not None else trainer.init(jax.random.key(cfg.train.seed))
+    first = int(state.step)
+    writer.event("start", first, devices=n_devices, mesh=dict(mesh.shape), peak_flops=peak)
+    progress = Progress(cfg.train.steps, first, lead and cfg.logging.progress)
     pending = None  # (step, device metrics) read one step late so the device never waits on the host
-    last_time, last_step, tokens_per_s, mfu, train_loss, val = time.perf_counter(), 0, 0.0, 0.0, math.nan, {}
+    last_time, last_step, tokens_per_s, mfu, train_loss, val = time.perf_counter(), first, 0.0, 0.0, math.nan, {}
 
     def flush(step, metrics):
         nonlocal last_time, last_step, tokens_per_s, mfu, train_loss
@@ -213,27 +269,52 @@ def train(
             on_metrics(step, values)
         progress.update(step, values["loss"], values["lr"], tokens_per_s)
 
-    for step in range(cfg.train.steps):
-        batch = trainer.put_batch(data.train_batch(step, pidx, pcount), B)
-        state, metrics = trainer.train_step(state, batch)
-        if pending is not None:
-            flush(*pending)
-            pending = None
-        done = step + 1
-        if done % cfg.logging.every == 0 or done == cfg.train.steps:
-            pending = (done, metrics)
-        if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+    def checkpoint(step, metrics, val_loss=None, wait=False):
+        if checkpointer is None:
+            return
+        if not state_is_finite(jax.device_get(metrics)):
+            writer.event("not_saved", step, reason="non-finite loss or parameters")
+            return
+        checkpointer.save(step, state._asdict(), meta_record(cfg), val_loss, wait=wait)
+
+    try:
+        for step in range(first, cfg.train.steps):
+            batch = trainer.put_batch(data.train_batch(step, pidx, pcount), B)
+            state, metrics = trainer.train_step(state, batch)
             if pending is not None:
                 flush(*pending)
                 pending = None
-            val = trainer.evaluate(state.params, data)
-            writer.scalars(done, val)
-            last_time = time.perf_counter()  # evaluation time is not training time
-    if pending is not None:
-        flush(*pending)
-    progress.close()
-    writer.event("end", cfg.train.steps, train_loss=train_loss, **val)
-    writer.close()
+            done = step + 1
+            last = done == cfg.train.steps
+            if done % cfg.logging.every == 0 or last:
+                pending = (done, metrics)
+            evaluated = None
+            if done % cfg.train.eval_every == 0 or last:
+                if pending is not None:
+                    flush(*pending)
+                    pending = None
+                val = trainer.evaluate(state.params, data)
+                evaluated = val["val_loss"]
+                writer.scalars(done, val)
+            if done % cfg.checkpoint.every == 0 or last:
+                checkpoint(done, metrics, evaluated)
+            if evaluated is not None or done % cfg.checkpoint.every == 0:
+                last_time = time.perf_counter()  # evaluation and saving are not training time
+            if stop is not None and not last and stop.should_stop(done):
+                if pending is not None:
+                    flush(*pending)
+                    pending = None
+                checkpoint(done, metrics, wait=True)
+                writer.event("preempted", done, signal=stop.requested)
+                raise Preempted(done)
+        if pending is not None:
+            flush(*pending)
+        if checkpointer is not None:
+            checkpointer.wait()
+        writer.event("end", cfg.train.steps, train_loss=train_loss, **val)
+    finally:
+        progress.close()
+        writer.close()
     return RunResult(train_loss, val, tokens_per_s, mfu, cfg.train.steps, state.params)
 
 
@@ -242,19 +323,98 @@ def with_vocab(cfg: Config, vocab_size: int) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
 
 
+def _restore(trainer: Trainer, checkpointer, writer_event) -> TrainState:
+    """The latest valid checkpoint, resharded onto the trainer's mesh."""
+    abstract = jax.eval_shape(trainer.init, jax.random.key(0))
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, trainer.state_shardings
+    )
+    step, restored, _ = checkpointer.restore(
+        target._asdict(), on_bad=lambda s, why: writer_event("checkpoint_corrupt", s, error=why)
+    )
+    return TrainState(**restored)
+
+
+def _truncate_metrics(workdir: Path, step: int) -> int:
+    """Drop metrics logged after `step` (the resumed run logs them again); returns how many."""
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if _step_of(line) <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1  # a torn last line from a crash: dropped
+
+
 def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
-    """The `train.py` job: data, checks, config.yaml, training, and a closing summary."""
+    """The `train.py` job: resume checks, data, config.yaml, training, checkpoints, and a summary."""
+    from transformer.checkpoint import (
+        CHECKPOINT_DIR,
+        Checkpointer,
+        check_writable,
+        config_changes,
+        partial_writes,
+        read_run_config,
+    )
     from transformer.data import prepare
 
     lead = jax.process_index() == 0
     sharding.mesh_shape(cfg, jax.device_count())  # refuse an impossible mesh before any work
+    ckpt_dir = workdir / CHECKPOINT_DIR
+    resuming = (workdir / "config.yaml").is_file() and ckpt_dir.is_dir() and any(
+        p.name.isdigit() for p in ckpt_dir.iterdir()
+    )
+    safe_changes: list[str] = []
+    if resuming:
+        saved = read_run_config(workdir)
+        unsafe, safe_changes = config_changes(saved, with_vocab(cfg, saved.model.vocab_size))
+        if unsafe:
+            raise ConfigError(
+                "", f"cannot resume {workdir}: the config changes what was trained: {'; '.join(unsafe)}"
+            )
+    elif (workdir / "metrics.jsonl").exists():
+        raise ConfigError("", f"{workdir} holds a run without checkpoints to resume from; use a new --workdir")
+    check_writable(ckpt_dir)
+    leftovers = partial_writes(ckpt_dir)
+
     data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, workdir, log=log if lead else lambda _: None)
     cfg = with_vocab(cfg, data.vocab_size)
     mesh = sharding.make_mesh(cfg)
+    checkpointer = Checkpointer(workdir, cfg.checkpoint)
+    events = RunWriter(workdir, lead, tensorboard=False)
+    start = None
+    try:
+        if leftovers:
+            events.event("partial_checkpoint_removed", 0, names=leftovers)
+        if resuming:
+            start = _restore(Trainer(cfg, mesh), checkpointer, events.event)
+            step = int(start.step)
+            dropped = _truncate_metrics(workdir, step) if lead else 0
+            events.event("resume", step, dropped_metrics=dropped)
+            if safe_changes:
+                events.event("config_change", step, changes=safe_changes)
+            if lead:
+                log(f"resuming {workdir} from step {step}" + (f" ({'; '.join(safe_changes)})" if safe_changes else ""))
+    finally:
+        events.close()
     if lead:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.yaml").write_text(cfg.to_yaml())
-    result = train(cfg, data, workdir, mesh, log)
+    try:
+        with StopSignal() as stop:
+            result = train(cfg, data, workdir, mesh, log, checkpointer=checkpointer, start=start, stop=stop)
+    finally:
+        checkpointer.close()
     if lead:
         baseline = unigram_entropy(data)
         log(

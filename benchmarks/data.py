@@ -1,0 +1,65 @@
+"""Data pipeline speed: tokenisation throughput and the cost of producing one global batch.
+
+    python benchmarks/data.py [--tokenizers byte bpe] [--repeats 3] [key.path=value ...]
+
+Tokenisation runs into a fresh temporary cache each repeat (the median is reported, MB of UTF-8
+text per second over both splits); then the time to start over a complete cache, and the median time
+to materialise one global batch of the default config, next to the default training step's time
+(from benchmarks/throughput.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformer import data as datalib  # noqa: E402
+from transformer.config import load_config  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizers", nargs="+", default=["byte", "bpe"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    base = load_config(None, args.overrides)
+    for tok in args.tokenizers:
+        rates, starts = [], []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as cache:
+                cfg = load_config(None, [*args.overrides, f"data.tokenizer={tok}", f"data.cache_dir={cache}"])
+                datalib._load_splits.cache_clear()
+                datalib.load_splits(cfg.data)  # reading the files is not tokenising: keep it out
+                start = time.perf_counter()
+                d = datalib.prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
+                seconds = time.perf_counter() - start
+                meta = json.loads((d.cache_path / "meta.json").read_text())
+                mb = (meta["train"]["bytes"] + meta["val"]["bytes"]) / 1e6
+                rates.append(mb / seconds)
+                datalib._load_splits.cache_clear()
+                start = time.perf_counter()
+                datalib.prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
+                starts.append(time.perf_counter() - start)
+        extra = f" (vocab {cfg.data.vocab_size}, training the BPE included)" if tok == "bpe" else ""
+        print(f"{tok:>5}: tokenise {mb:.1f} MB at {statistics.median(rates):.2f} MB/s{extra}; "
+              f"start over a complete cache {statistics.median(starts):.2f} s")  # fmt: skip
+    d = datalib.prepare(base.data, base.train.batch_size, base.train.seed, log=lambda _: None)
+    times = []
+    for step in range(200):
+        start = time.perf_counter()
+        d.train_batch(step)
+        times.append(time.perf_counter() - start)
+    print(f"one global batch ({base.train.batch_size} x {base.data.seq_len}): "
+          f"median {1e3 * statistics.median(times):.2f} ms over 200 steps")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Checkpoints (orbax): save, resume from the latest valid one, refuse unsafe config changes, load.
+
+A checkpoint holds the train state (step, parameters, optimiser state) and a JSON record of
+everything else a run needs to continue exactly: the resolved config, and the host-side state that
+later features keep (monitor window, skipped batches). Dropout keys derive from (seed, step) and
+batches from (data config, seed, step), so no RNG or iterator state is needed beyond the step.
+
+orbax writes each checkpoint into a temporary directory and renames it when complete, so a crash
+mid-save never leaves something that looks finished; leftovers are cleaned at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import yaml
+
+from transformer.config import CheckpointConfig, Config, ConfigError, from_dict
+
+CHECKPOINT_DIR = "checkpoints"
+
+# Keys that may change when a run is resumed: they change how long it runs, what it logs and where
+# it runs, never the trajectory of the updates it has made so far.
+SAFE_ON_RESUME = (
+    "train.steps",
+    "train.eval_every",
+    "logging.",
+    "checkpoint.",
+    "mesh.",
+    "data.cache_dir",
+    "model.remat",
+    "model.scan_layers",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint problem that stops the run (exit 1): nothing valid to resume from, a failed save."""
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """(unsafe, safe) differences as 'key: old -> new' lines."""
+    a, b = flatten(old.to_dict()), flatten(new.to_dict())
+    unsafe, safe = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+            (safe if key.startswith(SAFE_ON_RESUME) else unsafe).append(line)
+    return unsafe, safe
+
+
+def read_run_config(workdir: Path) -> Config:
+    return from_dict(yaml.safe_load((workdir / "config.yaml").read_text()))
+
+
+def check_writable(directory: Path) -> None:
+    """Fail early, with the reason, if checkpoints cannot be written here."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{uuid.uuid4().hex}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError("checkpoint", f"cannot write checkpoints to {directory}: {e.strerror or e}") from None
+
+
+def _ocp():
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+class Checkpointer:
+    """One run's checkpoint directory: retention, async saves, and fall-back restore."""
+
+    def __init__(self, workdir: Path, cfg: CheckpointConfig, read_only: bool = False):
+        ocp = _ocp()
+        from orbax.checkpoint import checkpoint_managers as policies
+
+        self.directory = Path(workdir) / CHECKPOINT_DIR
+        keep = [policies.LatestN(cfg.keep)]
+        if cfg.keep_best:
+            keep.append(
+                policies.BestN(
+                    get_metric_fn=lambda m: -m["val_loss"], n=cfg.keep_best, keep_checkpoints_without_metrics=False
+                )
+            )
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=cfg.async_ and not read_only,
+            preservation_policy=policies.AnyPreservationPolicy(keep),
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
+        )
+        self.manager = ocp.CheckpointManager(self.directory.resolve(), options=options, item_names=("state", "meta"))
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state: dict, meta: dict, val_loss: float | None = None, wait: bool = False) -> None:
+        ocp = _ocp()
+        metrics = {"val_loss": float(val_loss)} if val_loss is not None and math.isfinite(val_loss) else None
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                metrics=metrics,
+                force=True,
+            )
+            if wait:
+                self.manager.wait_until_finished()
+        except Exception as e:  # disk full, permissions changed under us, ...
+            raise CheckpointError(f"saving the checkpoint of step {step} failed: {_first_line(e)}") from None
+
+    def wait(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(f"finishing a checkpoint write failed: {_first_line(e)}") from None
+
+    def restore(self, abstract_state: dict, step: int | None = None, on_bad: Callable[[int, str], None] | None = None):
+        """(step, state, meta) of `step`, or of the latest checkpoint that restores cleanly, trying
+        older ones when the newest is damaged. Raises CheckpointError when none is usable."""
+        ocp = _ocp()
+        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+        problems = []
+        for s in candidates:
+            try:
+                restored = self.manager.restore(
+                    s,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+                )
+                _check_complete(restored["state"], abstract_state)
+                return s, restored["state"], restored["meta"]
+            except Exception as e:
+                problems.append(f"step {s}: {_first_line(e)}")
+                if on_bad is not None:
+                    on_bad(s, _first_line(e))
+        where = "; ".join(problems) if problems else "no checkpoints"
+        raise CheckpointError(f"no usable checkpoint in {self.directory} ({where}); nothing was deleted")
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _check_complete(state, abstract_state) -> None:
+    got = jax.tree.structure(state)
+    want = jax.tree.structure(abstract_state)
+    if got != want:
+        raise ValueError("the checkpoint's tree does not match the model")
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(abstract_state)):
+        if a.shape != b.shape:
+            raise ValueError(f"shape {a.shape} where the model has {b.shape}")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def state_is_finite(metrics: dict) -> bool:
+    """The step's loss and parameter norm are finite: its parameters may be saved."""
+    return all(math.isfinite(float(metrics[k])) for k in ("loss", "param_norm") if k in metrics)
+
+
+def load(workdir: str | Path, step: int | None = None):
+    """(config, model) of a run's latest (or given) checkpoint, on the current devices.
+
+    For notebooks and eval: `cfg, model = load("runs/x")`; `model(tokens)` gives logits.
+    """
+    from flax import nnx
+
+    from transformer.model import Transformer
+
+    workdir = Path(workdir)
+    if not (workdir / "config.yaml").is_file():
+        raise CheckpointError(f"{workdir} holds no run (no config.yaml)")
+    cfg = read_run_config(workdir)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract)
+    params_shape = nnx.to_pure_dict(abstract_params)
+    ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)
+    try:
+        ocp = _ocp()
+        steps = ckpt.steps()
+        if not steps:
+            raise CheckpointError(f"{workdir} has no checkpoints")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"step {step} was not kept in {workdir} (kept: {', '.join(map(str, steps))})")
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params_shape)}
+        chosen = step if step is not None else steps[-1]
+        restored = ckpt.manager.restore(
+            chosen, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(target, partial_restore=True))
+        )
+        params = restored["state"]["params"]
+    finally:
+        ckpt.close()
+    return cfg, nnx.merge(graphdef, params)
+
+
+def meta_record(cfg: Config, **host_state) -> dict:
+    """The JSON part of a checkpoint."""
+    return {"config": cfg.to_dict(), **host_state}
+
+
+def partial_writes(directory: Path) -> list[str]:
+    """Unfinished writes left by a crash; the Checkpointer removes them when it opens the directory."""
+    if not directory.is_dir():
+        return []
+    return [p.name for p in directory.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+
