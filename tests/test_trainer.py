@@ -219,7 +219,7 @@ def test_train_cli_end_to_end(corpus, tmp_path):
     events = [json.loads(line)["event"] for line in (workdir / "events.jsonl").read_text().splitlines()]
     assert events == ["start", "end"]
     assert "unigram baseline" in out.stdout and "MFU" in out.stdout
-    # the same directory again is refused rather than mixed with the first run
+    # the same directory with a different config is refused (it would resume a different run)
     again = cli(f"data.source=files:{corpus}", "--workdir", str(workdir))
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
 

@@ -136,7 +136,7 @@ class Checkpointer:
         older ones when the newest is damaged. Raises CheckpointError when none is usable."""
         ocp = _ocp()
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-        problems = []
+        problems, bad = [], []
         for s in candidates:
             try:
                 restored = self.manager.restore(
@@ -144,13 +144,31 @@ class Checkpointer:
                     args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
                 )
                 _check_complete(restored["state"], abstract_state)
-                return s, restored["state"], restored["meta"]
             except Exception as e:
                 problems.append(f"step {s}: {_first_line(e)}")
+                bad.append(s)
                 if on_bad is not None:
                     on_bad(s, _first_line(e))
+                continue
+            self._set_aside(bad)
+            return s, restored["state"], restored["meta"]
         where = "; ".join(problems) if problems else "no checkpoints"
         raise CheckpointError(f"no usable checkpoint in {self.directory} ({where}); nothing was deleted")
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged checkpoints newer than the one resumed from (the run will write those steps
+        again) to STEP.corrupt: kept for inspection, never deleted, invisible to the manager."""
+        for step in steps:
+            src = self.directory / str(step)
+            if src.is_dir():
+                dst = self.directory / f"{step}.corrupt"
+                n = 1
+                while dst.exists():
+                    n += 1
+                    dst = self.directory / f"{step}.corrupt{n}"
+                src.rename(dst)
+        if steps:
+            self.manager.reload()
 
     def close(self) -> None:
         self.manager.close()

@@ -269,13 +269,21 @@ def train(
             on_metrics(step, values)
         progress.update(step, values["loss"], values["lr"], tokens_per_s)
 
+    saved = -1
+
     def checkpoint(step, metrics, val_loss=None, wait=False):
+        nonlocal saved
         if checkpointer is None:
+            return
+        if step == saved:
+            if wait:
+                checkpointer.wait()
             return
         if not state_is_finite(jax.device_get(metrics)):
             writer.event("not_saved", step, reason="non-finite loss or parameters")
             return
         checkpointer.save(step, state._asdict(), meta_record(cfg), val_loss, wait=wait)
+        saved = step
 
     try:
         for step in range(first, cfg.train.steps):

@@ -1,0 +1,301 @@
+"""Checkpoints: exact resume (clean stop, SIGKILL, SIGTERM), reshard on restore, config changes on
+resume, damaged and unwritable directories, retention, and nothing non-finite saved."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from transformer.checkpoint import CheckpointError, load
+from transformer.config import ConfigError, load_config
+from transformer.trainer import run
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt-corpus") / "docs.jsonl"
+    rng = np.random.default_rng(1)
+    with open(path, "w") as f:
+        for i in range(300):
+            f.write(json.dumps({"text": f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(20, 80)))}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ckpt-cache")
+
+
+def args(corpus, cache, *extra):
+    return [
+        f"data.source=files:{corpus}", f"data.cache_dir={cache}", "data.seq_len=32", "data.val_windows=8",
+        "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_multiple=16", "train.batch_size=8",
+        "train.eval_every=20", "logging.every=1", "logging.progress=false", "logging.tensorboard=false",
+        "checkpoint.every=10", "optim.warmup_steps=5", *extra,
+    ]  # fmt: skip
+
+
+def run_in_process(corpus, cache, workdir, *extra):
+    return run(load_config(None, args(corpus, cache, *extra)), workdir, log=lambda _: None)
+
+
+def cli(*argv, env=None, **kw):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    return subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600, **kw)  # fmt: skip
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    out = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def events(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
+
+
+def final_params(workdir: Path, step=None):
+    _, model = load(workdir, step)
+    return jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
+
+
+def assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="session")
+def straight(corpus, cache, tmp_path_factory):
+    """The uninterrupted reference: 60 steps in one go."""
+    workdir = tmp_path_factory.mktemp("straight") / "run"
+    run_in_process(corpus, cache, workdir, "train.steps=60")
+    return workdir
+
+
+def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path):
+    # a schedule that does not depend on train.steps, so stopping at 30 is on the 60-step trajectory
+    reference = tmp_path / "reference"
+    run_in_process(corpus, cache, reference, "train.steps=60", "optim.schedule=constant")
+    resumed = tmp_path / "resumed"
+    run_in_process(corpus, cache, resumed, "train.steps=30", "optim.schedule=constant")
+    run_in_process(corpus, cache, resumed, "train.steps=60", "optim.schedule=constant")
+    assert losses(resumed) == losses(reference)
+    assert sorted(losses(resumed)) == list(range(1, 61))
+    assert_bitwise_equal(final_params(resumed), final_params(reference))
+    kinds = [e["event"] for e in events(resumed)]
+    assert kinds == ["start", "end", "resume", "config_change", "start", "end"]
+    assert events(resumed)[2]["step"] == 30
+    assert events(resumed)[3]["changes"] == ["train.steps: 30 -> 60"]
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout=300):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def start_cli(corpus, cache, workdir, *extra):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args(corpus, cache, "train.steps=60", *extra), "--workdir", str(workdir)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_sigkill_then_resume_ends_bitwise_identical(corpus, cache, straight, tmp_path):
+    workdir = tmp_path / "killed"
+    proc = start_cli(corpus, cache, workdir, "checkpoint.async=false")
+    wait_for(workdir / "checkpoints" / "20", proc)
+    time.sleep(0.3)  # somewhere after the checkpoint: mid-step, mid-log or mid-save
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    out = cli(*args(corpus, cache, "train.steps=60"), "--workdir", str(workdir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    resume = [e for e in events(workdir) if e["event"] == "resume"]
+    assert len(resume) == 1 and resume[0]["step"] >= 20
+    assert losses(workdir) == losses(straight)
+    assert_bitwise_equal(final_params(workdir), final_params(straight))
+
+
+def test_sigterm_checkpoints_and_exits_75(corpus, cache, straight, tmp_path):
+    workdir = tmp_path / "preempted"
+    proc = start_cli(corpus, cache, workdir)
+    wait_for(workdir / "checkpoints" / "10", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    preempted = [e for e in events(workdir) if e["event"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["signal"] == "SIGTERM"
+    step = preempted[0]["step"]
+    assert (workdir / "checkpoints" / str(step)).is_dir()
+    assert "run the same command to resume" in err
+    out = cli(*args(corpus, cache, "train.steps=60"), "--workdir", str(workdir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [e["step"] for e in events(workdir) if e["event"] == "resume"] == [step]
+    assert_bitwise_equal(final_params(workdir), final_params(straight))
+
+
+@pytest.mark.parametrize("saved_on, restored_on", [(8, 1), (1, 8)])
+def test_reshard_on_restore(corpus, cache, tmp_path, saved_on, restored_on):
+    def devices(n):
+        return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+
+    def mesh(n):
+        return ["mesh.data=1", "mesh.fsdp=8"] if n == 8 else ["mesh.data=1", "mesh.fsdp=1"]
+
+    extra = ("optim.schedule=constant",)
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    out = cli(*args(corpus, cache, "train.steps=40", *extra), *mesh(1), "--workdir", str(reference), env=devices(1))
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = cli(*args(corpus, cache, "train.steps=20", *extra), *mesh(saved_on), "--workdir", str(resumed),
+                env=devices(saved_on))  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = cli(*args(corpus, cache, "train.steps=40", *extra), *mesh(restored_on), "--workdir", str(resumed),
+                 env=devices(restored_on))  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    got, want = losses(resumed), losses(reference)
+    assert sorted(got) == sorted(want)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
+    change = [e for e in events(resumed) if e["event"] == "config_change"][0]
+    assert any(c.startswith("mesh.fsdp") for c in change["changes"])
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [("model.n_layers=3", "model.n_layers: 2 -> 3"), ("data.seq_len=16", "data.seq_len: 32 -> 16"),
+     ("train.seed=1", "train.seed: 0 -> 1"), ("optim.lr=0.01", "optim.lr: 0.003 -> 0.01")],
+)  # fmt: skip
+def test_unsafe_config_change_is_refused_and_touches_nothing(corpus, cache, straight, tmp_path, change, named):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    before = snapshot(workdir)
+    out = cli(*args(corpus, cache, "train.steps=60", change), "--workdir", str(workdir))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "cannot resume" in lines[0]
+    assert snapshot(workdir) == before
+
+
+def test_safe_change_on_a_finished_run_is_accepted_and_logged(corpus, cache, straight, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    run_in_process(corpus, cache, workdir, "train.steps=70", "logging.every=5", "checkpoint.keep=3")
+    change = [e for e in events(workdir) if e["event"] == "config_change"][-1]
+    assert set(change["changes"]) == {"train.steps: 60 -> 70", "logging.every: 1 -> 5", "checkpoint.keep: 2 -> 3"}
+    assert max(losses(workdir)) == 70
+
+
+def test_interrupted_save_is_ignored_and_cleaned(corpus, cache, straight, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    partial = workdir / "checkpoints" / "70.orbax-checkpoint-tmp-1234567"
+    partial.mkdir()
+    (partial / "junk").write_text("half a checkpoint")
+    run_in_process(corpus, cache, workdir, "train.steps=70")
+    assert not partial.exists()
+    resume = [e for e in events(workdir) if e["event"] == "resume"]
+    assert resume[0]["step"] == 60
+    assert [e["names"] for e in events(workdir) if e["event"] == "partial_checkpoint_removed"] == [[partial.name]]
+
+
+def damage(step_dir: Path) -> None:
+    """Truncate every data file of the parameters: the kind of damage a full disk or a crash leaves."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert files
+    for p in files:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 3])
+
+
+def test_corrupted_latest_falls_back_to_the_previous(corpus, cache, straight, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    damage(workdir / "checkpoints" / "60")
+    run_in_process(corpus, cache, workdir, "train.steps=70")
+    corrupt = [e for e in events(workdir) if e["event"] == "checkpoint_corrupt"]
+    assert [e["step"] for e in corrupt] == [60]
+    assert [e["step"] for e in events(workdir) if e["event"] == "resume"] == [50]
+    assert (workdir / "checkpoints" / "60.corrupt").is_dir()  # set aside, not deleted
+    assert (workdir / "checkpoints" / "60").is_dir()  # written again by the resumed run
+
+
+def test_no_valid_checkpoint_exits_1_and_deletes_nothing(corpus, cache, straight, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    for step_dir in (workdir / "checkpoints").iterdir():
+        if step_dir.name.isdigit():
+            damage(step_dir)
+    before = {p for p in workdir.rglob("*")}
+    out = cli(*args(corpus, cache, "train.steps=70"), "--workdir", str(workdir))
+    assert out.returncode == 1
+    assert "no usable checkpoint" in out.stderr and "nothing was deleted" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert before <= {p for p in workdir.rglob("*")}
+
+
+def test_unwritable_checkpoint_directory(corpus, cache, straight, tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "checkpoints").write_text("a file where the checkpoint directory should be")
+    with pytest.raises(ConfigError, match="cannot write checkpoints to"):
+        run_in_process(corpus, cache, workdir, "train.steps=10")
+    out = cli(*args(corpus, cache, "train.steps=10"), "--workdir", str(workdir))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert (workdir / "checkpoints").read_text().startswith("a file")
+
+
+def test_keep_latest_and_best(corpus, cache, tmp_path):
+    workdir = tmp_path / "run"
+    # a learning rate high enough that the best validation loss comes early
+    run_in_process(corpus, cache, workdir, "train.steps=60", "train.eval_every=10", "checkpoint.keep=2",
+                   "checkpoint.keep_best=1", "optim.lr=0.2", "optim.clip_norm=null", "optim.schedule=constant")  # fmt: skip
+    val = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "val_loss" in record:
+            val[record["step"]] = record["val_loss"]
+    best = min(val, key=val.get)
+    kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == sorted({50, 60, best})
+
+
+def test_non_finite_state_is_never_saved(corpus, cache, tmp_path):
+    workdir = tmp_path / "run"
+    run_in_process(corpus, cache, workdir, "train.steps=30", "optim.lr=1e30", "optim.clip_norm=null",
+                   "optim.warmup_steps=0", "optim.name=sgd")  # fmt: skip
+    not_saved = [e["step"] for e in events(workdir) if e["event"] == "not_saved"]
+    assert not_saved, "the run never went non-finite: the test needs a stronger push"
+    kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert not set(kept) & set(not_saved)
+    for step in kept:
+        assert all(np.all(np.isfinite(np.asarray(x))) for x in final_params(workdir, step))
+
+
+def test_load_errors(tmp_path, straight):
+    with pytest.raises(CheckpointError, match="no config.yaml"):
+        load(tmp_path)
+    with pytest.raises(CheckpointError, match="was not kept"):
+        load(straight, step=7)
