@@ -155,6 +155,15 @@ class Checkpointer:
         where = "; ".join(problems) if problems else "no checkpoints"
         raise CheckpointError(f"no usable checkpoint in {self.directory} ({where}); nothing was deleted")
 
+    def restore_params(self, step: int, target: dict) -> dict:
+        """Only the parameters of a checkpoint (no optimiser state), placed as `target`'s shardings say."""
+        ocp = _ocp()
+        item = {"params": target}
+        restore = ocp.args.PyTreeRestore(
+            item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+        )
+        return self.manager.restore(step, args=ocp.args.Composite(state=restore))["state"]["params"]
+
     def _set_aside(self, steps: list[int]) -> None:
         """Rename damaged checkpoints newer than the one resumed from (the run will write those steps
         again) to STEP.corrupt: kept for inspection, never deleted, invisible to the manager."""
@@ -212,19 +221,14 @@ def load(workdir: str | Path, step: int | None = None):
     params_shape = nnx.to_pure_dict(abstract_params)
     ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)
     try:
-        ocp = _ocp()
         steps = ckpt.steps()
         if not steps:
             raise CheckpointError(f"{workdir} has no checkpoints")
         if step is not None and step not in steps:
             raise CheckpointError(f"step {step} was not kept in {workdir} (kept: {', '.join(map(str, steps))})")
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params_shape)}
-        chosen = step if step is not None else steps[-1]
-        restored = ckpt.manager.restore(
-            chosen, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(target, partial_restore=True))
-        )
-        params = restored["state"]["params"]
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params_shape)
+        params = ckpt.restore_params(step if step is not None else steps[-1], target)
     finally:
         ckpt.close()
     return cfg, nnx.merge(graphdef, params)

@@ -94,3 +94,77 @@ def train_main(argv: list[str] | None = None) -> int:
 def _default_workdir(config: str | None) -> Path:
     name = Path(config).stem if config else "default"
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="eval.py", description="Evaluate a run's checkpoint, or sample text from it.")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. data.source=files:other/*.txt")
+    p.add_argument("--workdir", required=True, help="the run directory")
+    p.add_argument("--step", type=int, default=None, help="a kept checkpoint step (default: the latest)")
+    p.add_argument("--split", choices=("val", "train"), default="val")
+    p.add_argument("--batches", type=int, default=None, help="evaluate at most this many batches")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--generate", action="append", default=[], metavar="PROMPT", help="sample a continuation (repeatable)")
+    p.add_argument("--prompts", default=None, help="a file of prompts, one per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    import json
+
+    args = eval_parser().parse_intermixed_args(argv)
+    workdir = Path(args.workdir)
+    prompts = list(args.generate)
+    if args.prompts is not None:
+        try:
+            prompts += [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        except OSError as e:
+            _fail("eval.py", f"--prompts: cannot read {args.prompts}: {e.strerror}")
+    checks = [
+        (args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (args.temperature >= 0, "--temperature must be >= 0"),
+        (args.top_k is None or args.top_k >= 1, "--top-k must be >= 1"),
+        (args.top_p is None or 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
+        (args.batches is None or args.batches >= 1, "--batches must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            _fail("eval.py", message)
+
+    from transformer.checkpoint import CheckpointError
+    from transformer.data import DataError
+    from transformer.evaluate import evaluate, sample
+    from transformer.generate import SamplingConfig
+
+    try:
+        if prompts:
+            sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+            texts = sample(workdir, prompts, sampling, args.step)
+            if args.json:
+                print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)]))
+            else:
+                for prompt, text in zip(prompts, texts):
+                    print(prompt + text)
+                    print("-" * 40)
+            return 0
+        result = evaluate(workdir, args.step, args.overrides, args.split, args.batches)
+    except ConfigError as e:
+        _fail("eval.py", str(e))
+    except DataError as e:
+        _fail("eval.py", f"data: {e}")
+    except CheckpointError as e:
+        _fail("eval.py", f"checkpoint: {e}")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"step {result['step']} on {result['source']} ({result['split']}, {result['tokens']:,} tokens): "
+            f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}, "
+            f"bits per byte {result['bits_per_byte']:.4f}"
+        )
+    return 0

@@ -73,7 +73,15 @@ class Attention(nnx.Module):
         segment_ids_BxT: jax.Array | None,
         window: int | jax.Array | None,
         key: jax.Array | None = None,
-    ) -> jax.Array:
+        cache: dict | None = None,
+        index: int | jax.Array = 0,
+    ):
+        """Attention output [B, T, D]; with a `cache` (decoding), also the updated cache.
+
+        Without a cache, causality and windows follow the token index (training, evaluation).
+        With one, they follow positions: the new tokens attend to the cached keys and to each other,
+        and keys with position -1 (empty slots, left padding) are never attended to.
+        """
         cfg = self.cfg
         B, T, _ = x_BxTxD.shape
         G, N, H = cfg.n_kv_groups, cfg.n_heads, cfg.head_dim
@@ -89,25 +97,40 @@ class Attention(nnx.Module):
         if cfg.position == "rope":
             q_BxTxKxGxH = rope(q_BxTxKxGxH, positions_BxT, cfg.rope_theta)
             k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_theta)
-        bias_BxNxTxS = alibi_bias(N, positions_BxT, positions_BxT) if cfg.position == "alibi" else None
 
-        index_T = jnp.arange(T)
+        new_cache = None
+        if cache is None:
+            k_BxSxKxH, v_BxSxKxH, k_positions_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
+            index_T = jnp.arange(T)
+            # A static window and no documents use the library's own causal/local masking (which
+            # fused kernels understand); a traced window or segment ids need an explicit mask.
+            static = segment_ids_BxT is None and not isinstance(window, jax.Array)
+            mask_BxTxS = None
+            if not static or cfg.attention_impl == "einsum":
+                mask_BxTxS = attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT)
+        else:
+            static = False
+            k_BxSxKxH = jnp.concatenate([cache["k"].astype(dtype), k_BxTxKxH], axis=1)
+            v_BxSxKxH = jnp.concatenate([cache["v"].astype(dtype), v_BxTxKxH], axis=1)
+            k_positions_BxS = jnp.concatenate([cache["pos"], positions_BxT], axis=1)
+            mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
+            new_cache = write_cache(cache, k_BxTxKxH, v_BxTxKxH, positions_BxT, index)
+
+        bias_BxNxTxS = None
+        if cfg.position == "alibi":
+            bias_BxNxTxS = alibi_bias(N, positions_BxT, k_positions_BxS)
+        S = k_BxSxKxH.shape[1]
         if cfg.attention_impl == "einsum":
-            mask_BxTxS = attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT)
-            bias = None if bias_BxNxTxS is None else bias_BxNxTxS.reshape(B, cfg.n_kv_heads, G, T, T)
-            out_BxTxKxGxH = attend_einsum(q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, mask_BxTxS, bias, cfg, key)
+            bias = None if bias_BxNxTxS is None else bias_BxNxTxS.reshape(B, cfg.n_kv_heads, G, T, S)
+            out_BxTxKxGxH = attend_einsum(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, bias, cfg, key)
             out_BxTxNxH = out_BxTxKxGxH.reshape(B, T, N, H)
         else:
-            # A static window and no documents use the library's own causal/local masking (which
-            # fused kernels understand); a traced per-layer window or segment ids need an explicit mask.
-            static = segment_ids_BxT is None and not isinstance(window, jax.Array)
-            mask = None if static else attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT)
             out_BxTxNxH = jax.nn.dot_product_attention(
                 q_BxTxKxGxH.reshape(B, T, N, H),
-                k_BxTxKxH,
-                v_BxTxKxH,
+                k_BxSxKxH,
+                v_BxSxKxH,
                 bias=None if bias_BxNxTxS is None else bias_BxNxTxS.astype(dtype),
-                mask=None if mask is None else mask[:, None],
+                mask=None if mask_BxTxS is None else mask_BxTxS[:, None],
                 scale=cfg.scale,
                 is_causal=static,
                 local_window_size=(window - 1, 0) if static and window is not None else None,
@@ -116,4 +139,46 @@ class Attention(nnx.Module):
         y_BxTxD = jnp.einsum("BTNH,NHD->BTD", out_BxTxNxH, self.out[...].astype(dtype))
         if self.out_bias is not None:
             y_BxTxD = y_BxTxD + self.out_bias[...].astype(dtype)
-        return y_BxTxD
+        return y_BxTxD if cache is None else (y_BxTxD, new_cache)
+
+
+# --- the KV cache --------------------------------------------------------------------------------
+
+
+def cache_size(window: int | None, max_len: int) -> int:
+    """Entries a layer keeps: the window for a sliding-window layer (a ring buffer), else max_len."""
+    return max_len if window is None else min(window, max_len)
+
+
+def init_cache(cfg: ModelConfig, batch: int, size: int) -> dict:
+    shape = (batch, size, cfg.n_kv_heads, cfg.head_dim)
+    return {
+        "k": jnp.zeros(shape, cfg.dtype),
+        "v": jnp.zeros(shape, cfg.dtype),
+        "pos": jnp.full((batch, size), -1, jnp.int32),  # -1: empty
+    }
+
+
+def write_cache(cache: dict, k_BxTxKxH, v_BxTxKxH, positions_BxT, index) -> dict:
+    """Store the T new entries at absolute indices index..index+T-1 in slots index % size; of more
+    than `size` new entries only the last `size` can stay."""
+    size, T = cache["pos"].shape[1], k_BxTxKxH.shape[1]
+    if T > size:
+        k_BxTxKxH, v_BxTxKxH, positions_BxT = k_BxTxKxH[:, -size:], v_BxTxKxH[:, -size:], positions_BxT[:, -size:]
+        index = index + T - size
+        T = size
+    slots_T = (index + jnp.arange(T)) % size
+    return {
+        "k": cache["k"].at[:, slots_T].set(k_BxTxKxH.astype(cache["k"].dtype)),
+        "v": cache["v"].at[:, slots_T].set(v_BxTxKxH.astype(cache["v"].dtype)),
+        "pos": cache["pos"].at[:, slots_T].set(positions_BxT),
+    }
+
+
+def position_mask(q_positions_BxT, k_positions_BxS, window) -> jax.Array:
+    """mask[b, t, s]: key s is filled (position >= 0), not after query t, and inside its window."""
+    q, k = q_positions_BxT[:, :, None], k_positions_BxS[:, None, :]
+    allowed = (k >= 0) & (k <= q)
+    if window is not None:
+        allowed &= q - k < window
+    return allowed

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import GLOBAL_WINDOW, ModelConfig
-from transformer.model.attention import MASK_VALUE, Attention
+from transformer.model.attention import MASK_VALUE, Attention, cache_size, init_cache
 from transformer.model.layers import FFN, Norm, dropout, normal_param, sinusoidal
 
 REMAT_POLICIES = {
@@ -44,11 +44,21 @@ class Block(nnx.Module):
                 return norm(self.cfg.residual_alpha * x + dropout(sublayer(x), rate, key))
         raise AssertionError(self.cfg.norm_position)
 
-    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, window, key=None):
+    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, window, key=None, cache=None, index=0):
+        """The block's output; with a KV `cache` (decoding), (output, updated cache)."""
         keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
-        attend = lambda h: self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0])  # noqa: E731
+        new_cache = None
+
+        def attend(h):
+            nonlocal new_cache
+            if cache is None:
+                return self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0])
+            y, new_cache = self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0], cache, index)
+            return y
+
         x_BxTxD = self.residual(x_BxTxD, attend, self.attn_norm, self.attn_out_norm, keys[1])
-        return self.residual(x_BxTxD, self.ffn, self.ffn_norm, self.ffn_out_norm, keys[2])
+        x_BxTxD = self.residual(x_BxTxD, self.ffn, self.ffn_norm, self.ffn_out_norm, keys[2])
+        return x_BxTxD if cache is None else (x_BxTxD, new_cache)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -135,6 +145,27 @@ class Transformer(nnx.Module):
         if cfg.padded_vocab != cfg.vocab_size:
             logits_BxTxV = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits_BxTxV, MASK_VALUE)
         return logits_BxTxV
+
+    def init_cache(self, batch: int, max_len: int) -> list[dict]:
+        """An empty KV cache for `max_len` tokens: per layer, K/V for the kv heads only (GQA and MQA
+        caches shrink in proportion), a ring buffer of `window` entries for sliding-window layers."""
+        return [init_cache(self.cfg, batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
+
+    def decode(self, tokens_BxT, positions_BxT, cache: list[dict], index) -> tuple[jax.Array, list[dict]]:
+        """Logits for T new tokens at absolute index `index` (prefill: all prompt tokens at 0; then one
+        per step), attending to the cache; returns the logits and the updated cache. Positions are per
+        row (left padding has position -1)."""
+        cfg = self.cfg
+        x_BxTxD = self.embed_tokens(tokens_BxT, jnp.maximum(positions_BxT, 0))
+        graphdef, state = nnx.split(self.blocks)
+        new_cache = []
+        for i, window in enumerate(cfg.layer_windows):  # unrolled: layers may hold caches of different sizes
+            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+            x_BxTxD, layer_cache = block(x_BxTxD, positions_BxT, None, window, None, cache[i], index)
+            new_cache.append(layer_cache)
+        if self.final_norm is not None:
+            x_BxTxD = self.final_norm(x_BxTxD)
+        return self.logits(x_BxTxD), new_cache
 
     def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, key=None) -> jax.Array:
         """Logits [B, T, V] for every position (teacher forcing).

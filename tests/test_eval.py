@@ -1,0 +1,120 @@
+"""eval.py: losses agree with the training log, other datasets and splits, generation, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from transformer.cli import eval_main
+from transformer.config import load_config
+from transformer.trainer import run
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
+
+
+def write_corpus(path: Path, seed: int, n: int = 300) -> Path:
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(20, 80)))}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    corpus = write_corpus(root / "docs.jsonl", seed=2)
+    workdir = root / "run"
+    cfg = load_config(
+        None,
+        [
+            f"data.source=files:{corpus}", f"data.cache_dir={root / 'cache'}", "data.seq_len=32",
+            "data.val_windows=12", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+            "model.ffn_multiple=16", "train.batch_size=8", "train.steps=20", "train.eval_every=10",
+            "checkpoint.every=10", "checkpoint.keep=5", "logging.progress=false", "logging.tensorboard=false",
+        ],
+    )  # fmt: skip
+    run(cfg, workdir, log=lambda _: None)
+    return workdir, root
+
+
+def logged_val_loss(workdir: Path, step: int) -> float:
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["step"] == step and "val_loss" in record:
+            return record["val_loss"]
+    raise AssertionError(f"no val_loss logged at step {step}")
+
+
+def eval_json(capsys, *argv) -> dict:
+    assert eval_main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("step", [None, 10])
+def test_eval_loss_equals_the_training_log(trained, capsys, step):
+    workdir, _ = trained
+    args = ["--workdir", str(workdir)] + (["--step", str(step)] if step else [])
+    result = eval_json(capsys, *args)
+    assert result["step"] == (step or 20)
+    assert result["loss"] == pytest.approx(logged_val_loss(workdir, step or 20), rel=1e-6)
+    assert result["perplexity"] == pytest.approx(np.exp(result["loss"]), rel=1e-6)
+    assert result["tokens"] == 12 * 32
+    assert 0 < result["bits_per_byte"] < 10
+
+
+def test_other_split_batches_and_dataset(trained, capsys):
+    workdir, root = trained
+    train_split = eval_json(capsys, "--workdir", str(workdir), "--split", "train", "--batches", "1")
+    assert train_split["split"] == "train" and train_split["tokens"] == 8 * 32
+    other = write_corpus(root / "other.jsonl", seed=9, n=200)
+    result = eval_json(capsys, "--workdir", str(workdir), f"data.source=files:{other}", "data.val_fraction=0.2")
+    assert result["source"] == f"files:{other}"
+    assert result["loss"] != pytest.approx(logged_val_loss(workdir, 20), rel=1e-6)
+
+
+def test_generate_prints_a_continuation(trained, capsys):
+    workdir, _ = trained
+    argv = ["--workdir", str(workdir), "--generate", "doc 1: the", "--generate", "of", "--temperature", "0",
+            "--max-new-tokens", "12", "--json"]  # fmt: skip
+    assert eval_main(argv) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["prompt"] for r in first] == ["doc 1: the", "of"]
+    assert all(isinstance(r["completion"], str) and len(r["completion"]) <= 12 for r in first)
+    assert eval_main(argv) == 0  # greedy: the same text again
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == first
+
+
+def expect_usage_error(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        eval_main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+
+
+def test_bad_input(trained, tmp_path, capsys):
+    workdir, _ = trained
+    expect_usage_error(capsys, ["--workdir", str(tmp_path)], "holds no run")
+    empty = tmp_path / "no-checkpoints"
+    empty.mkdir()
+    (empty / "config.yaml").write_text((workdir / "config.yaml").read_text())
+    expect_usage_error(capsys, ["--workdir", str(empty)], "holds no checkpoints")
+    expect_usage_error(capsys, ["--workdir", str(workdir), "--step", "7"], "step 7 was not kept")
+    expect_usage_error(capsys, ["--workdir", str(workdir), "--generate", "x" * 40], "longer than the context of 32")
+    expect_usage_error(capsys, ["--workdir", str(workdir), "--bogus"], "unrecognized arguments: --bogus")
+    expect_usage_error(capsys, ["--workdir", str(workdir), "--top-p", "0"], "--top-p")
+
+
+def test_eval_cli_end_to_end(trained):
+    workdir, _ = trained
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "eval.py", "--workdir", str(workdir)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("step 20 on files:") and "bits per byte" in out.stdout
