@@ -27,7 +27,7 @@ from transformer import sharding  # noqa: E402
 from transformer.checkpoint import Checkpointer, meta_record  # noqa: E402
 from transformer.config import load_config  # noqa: E402
 from transformer.model.summary import count_params  # noqa: E402
-from transformer.trainer import Trainer  # noqa: E402
+from transformer.trainer import Trainer, default_controls  # noqa: E402
 
 
 def dir_bytes(path: Path) -> int:
@@ -49,7 +49,7 @@ def main() -> None:
         steps = []
         for _ in range(args.repeats + 1):
             start = time.perf_counter()
-            state, metrics = trainer.train_step(state, batch)
+            state, metrics = trainer.train_step(state, batch, default_controls())
             jax.block_until_ready(metrics)
             steps.append(time.perf_counter() - start)
         blocking = {True: [], False: []}

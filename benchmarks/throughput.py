@@ -26,7 +26,7 @@ from transformer import sharding  # noqa: E402
 from transformer.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from transformer.metrics import device_peak_flops  # noqa: E402
 from transformer.model.summary import count_params, flops_per_token  # noqa: E402
-from transformer.trainer import Trainer  # noqa: E402
+from transformer.trainer import Trainer, default_controls  # noqa: E402
 
 PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
 
@@ -48,7 +48,7 @@ def time_steps(cfg, steps: int, repeats: int) -> tuple[list[float], float]:
     state = trainer.init(jax.random.key(0))
     batch = trainer.put_batch(random_batch(cfg, rng), cfg.train.batch_size)
     start = time.perf_counter()
-    state, metrics = trainer.train_step(state, batch)
+    state, metrics = trainer.train_step(state, batch, default_controls())
     jax.block_until_ready(metrics)
     first = time.perf_counter() - start  # compile + one step
     medians = []
@@ -56,7 +56,7 @@ def time_steps(cfg, steps: int, repeats: int) -> tuple[list[float], float]:
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            state, metrics = trainer.train_step(state, batch)
+            state, metrics = trainer.train_step(state, batch, default_controls())
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
         medians.append(statistics.median(times))
@@ -69,7 +69,7 @@ def compile_seconds(cfg) -> float:
     B, T = cfg.train.batch_size, cfg.data.seq_len
     batch = {k: jax.ShapeDtypeStruct((B, T), np.int32) for k in ("inputs", "targets")}
     start = time.perf_counter()
-    trainer.train_step.lower(state, batch).compile()
+    trainer.train_step.lower(state, batch, default_controls()).compile()
     return time.perf_counter() - start
 
 

@@ -150,7 +150,7 @@ class Checkpointer:
                 if on_bad is not None:
                     on_bad(s, _first_line(e))
                 continue
-            self._set_aside(bad)
+            self.set_aside([b for b in bad if b > s], "corrupt")
             return s, restored["state"], restored["meta"]
         where = "; ".join(problems) if problems else "no checkpoints"
         raise CheckpointError(f"no usable checkpoint in {self.directory} ({where}); nothing was deleted")
@@ -164,17 +164,17 @@ class Checkpointer:
         )
         return self.manager.restore(step, args=ocp.args.Composite(state=restore))["state"]["params"]
 
-    def _set_aside(self, steps: list[int]) -> None:
-        """Rename damaged checkpoints newer than the one resumed from (the run will write those steps
-        again) to STEP.corrupt: kept for inspection, never deleted, invisible to the manager."""
+    def set_aside(self, steps: list[int], reason: str) -> None:
+        """Rename checkpoints the run will write again (damaged ones newer than the one resumed from,
+        or those of a trajectory abandoned by a rollback) to STEP.REASON: kept for inspection, never
+        deleted, invisible to the manager."""
         for step in steps:
             src = self.directory / str(step)
             if src.is_dir():
-                dst = self.directory / f"{step}.corrupt"
-                n = 1
+                dst, n = self.directory / f"{step}.{reason}", 1
                 while dst.exists():
                     n += 1
-                    dst = self.directory / f"{step}.corrupt{n}"
+                    dst = self.directory / f"{step}.{reason}{n}"
                 src.rename(dst)
         if steps:
             self.manager.reload()

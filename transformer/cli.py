@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformer.config import ConfigError, load_config
 
-EXIT_FAILED = 1  # the run could not go on: no usable checkpoint, a failed save
+EXIT_FAILED = 1  # the run could not go on: no usable checkpoint, a failed save, the monitor gave up
 EXIT_USAGE = 2  # a user mistake: config, arguments, data, an unsafe change on resume
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL: run it again)
 
@@ -72,6 +72,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
     from transformer.checkpoint import CheckpointError
     from transformer.data import DataError
+    from transformer.monitor import MonitorStop
     from transformer.trainer import Preempted, run
 
     _distributed(args)
@@ -84,6 +85,9 @@ def train_main(argv: list[str] | None = None) -> int:
         _fail("train.py", f"data: {e}")
     except CheckpointError as e:
         print(f"train.py: error: checkpoint: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except MonitorStop as e:
+        print(f"train.py: error: monitor: {e}", file=sys.stderr)
         return EXIT_FAILED
     except Preempted as e:
         print(f"train.py: preempted: checkpoint of step {e.step} written; run the same command to resume", file=sys.stderr)

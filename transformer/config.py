@@ -359,6 +359,23 @@ class MonitorConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FaultsConfig:
+    """Injected faults, for tests and demonstrations of recovery; each fires once per run."""
+
+    lr_step: int | None = None  # the update at this step uses lr * lr_multiplier
+    lr_multiplier: float = 100.0
+    corrupt_step: int | None = None  # this step's batch is replaced by random or repeated tokens
+    corrupt_kind: Literal["random", "repeated"] = "random"
+    nan_step: int | None = None  # this step's gradients are NaN
+
+    def __post_init__(self):
+        for name in ("lr_step", "corrupt_step", "nan_step"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, name, f"must be >= 0 or null, got {value}")
+        _check(self.lr_multiplier > 0, "lr_multiplier", f"must be > 0, got {self.lr_multiplier}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     every: int = 10
     tensorboard: bool = True
@@ -377,6 +394,7 @@ class Config:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     monitor: MonitorConfig = MonitorConfig()
+    faults: FaultsConfig = FaultsConfig()
     logging: LoggingConfig = LoggingConfig()
 
     def __post_init__(self):

@@ -329,12 +329,13 @@ def _tokenise_split(split, text_field: str, tokenizer, dtype: np.dtype, path: Pa
             "n_bytes": [len(t.encode("utf-8", "surrogateescape")) if isinstance(t, str) else 0 for t in texts],
         }
 
-    procs = min(os.cpu_count() or 1, max(1, len(split) // 256))
+    # One process: forking a process that already runs JAX's threads can deadlock. The cores are
+    # used all the same: the BPE encodes each batch on all of them (Rust threads), and the byte
+    # tokenizer is a memory copy.
     encoded = split.map(
         encode,
         batched=True,
-        batch_size=64,
-        num_proc=procs if procs > 1 else None,
+        batch_size=1024,
         remove_columns=split.column_names,
         desc=f"tokenising {path.stem}",
         new_fingerprint=None,

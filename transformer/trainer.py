@@ -48,6 +48,16 @@ def cross_entropy(logits_BxTxV, targets_BxT, weights_BxT, z_loss: float):
     return nll_sum + z_loss * z_sum, nll_sum, jnp.sum(weights_BxT)
 
 
+def default_controls(lr_scale: float = 1.0, loss_limit: float = math.inf, grad_limit: float = math.inf,
+                     nan_grads: bool = False) -> dict:  # fmt: skip
+    return {
+        "lr_scale": np.float32(lr_scale),
+        "loss_limit": np.float32(loss_limit),
+        "grad_limit": np.float32(grad_limit),
+        "nan_grads": np.bool_(nan_grads),
+    }
+
+
 class Trainer:
     """Builds the jitted steps for one config on one mesh."""
 
@@ -68,7 +78,7 @@ class Trainer:
         self.init = jax.jit(self._init, out_shardings=self.state_shardings)
         self.train_step = jax.jit(
             self._train_step,
-            in_shardings=(self.state_shardings, batch_spec),
+            in_shardings=(self.state_shardings, batch_spec, replicated),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
         )
@@ -89,7 +99,9 @@ class Trainer:
         objective, nll_sum, count = cross_entropy(logits, batch["targets"], weights, self.cfg.train.z_loss)
         return objective, (nll_sum, count)
 
-    def _train_step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def _train_step(self, state: TrainState, batch: dict, controls: dict) -> tuple[TrainState, dict]:
+        """One update. `controls` (see `default_controls`) carry the host's decisions into the step:
+        learning-rate scale, the skip limits of the monitor, injected NaN gradients."""
         accum = self.cfg.train.grad_accum
         dropout = self.cfg.model.dropout or self.cfg.model.attn_dropout
         step_key = jax.random.fold_in(jax.random.key(self.cfg.train.seed), state.step) if dropout else None
@@ -112,14 +124,29 @@ class Trainer:
         )
         # The objective is a sum over tokens: divide once, so accumulation equals one big batch.
         grads = jax.tree.map(lambda g: g / count, grads)
+        grads = jax.tree.map(lambda g: jnp.where(controls["nan_grads"], jnp.nan, g), grads)  # fault injection
+        loss, grad_norm = nll_sum / count, optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        # lr_scale multiplies the whole update: AdamW's decoupled decay is scaled by lr too
+        updates = jax.tree.map(lambda u: u * controls["lr_scale"], updates)
         params = optax.apply_updates(state.params, updates)
+        # A non-finite step is never applied; in skip mode neither is one above the monitor's limits.
+        # Either way parameters and optimiser moments stay exactly as they were.
+        apply = (
+            jnp.isfinite(loss)
+            & jnp.isfinite(grad_norm)
+            & (loss <= controls["loss_limit"])
+            & (grad_norm <= controls["grad_limit"])
+        )
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         metrics = {
-            "loss": nll_sum / count,
-            "grad_norm": optax.tree.norm(grads),
+            "loss": loss,
+            "grad_norm": grad_norm,
             "update_norm": optax.tree.norm(updates),
             "param_norm": optax.tree.norm(params),
-            "lr": self.lr(state.step),
+            "lr": self.lr(state.step) * controls["lr_scale"],
+            "applied": apply.astype(jnp.float32),
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -128,6 +155,13 @@ class Trainer:
         return nll_sum, count
 
     # --- host-side helpers ------------------------------------------------------------------------
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the train state: the target a checkpoint restores into."""
+        abstract = jax.eval_shape(self.init, jax.random.key(0))
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_shardings
+        )
+
     def put_batch(self, local: dict[str, np.ndarray], global_rows: int) -> dict[str, jax.Array]:
         return sharding.global_batch(local, self.mesh, global_rows)
 
@@ -215,6 +249,59 @@ class StopSignal:
         return self.requested is not None
 
 
+def corrupt(batch: dict[str, np.ndarray], kind: str, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
+    """A deliberately bad batch (fault injection): uniform random tokens, or one token repeated."""
+    rng = np.random.default_rng(seed)
+    shape = batch["inputs"].shape
+    if kind == "random":
+        rows = rng.integers(0, vocab_size, (shape[0], shape[1] + 1)).astype(np.int32)
+    else:
+        rows = np.full((shape[0], shape[1] + 1), rng.integers(0, vocab_size), np.int32)
+    return {**batch, "inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
+class _Loop:
+    """The host side of training: which batch and controls each step gets, what the monitor saw,
+    when to evaluate, checkpoint, roll back or stop. `train()` drives it."""
+
+    def __init__(self, cfg, data, trainer, writer, checkpointer, recovery, monitor):
+        self.cfg, self.data, self.trainer, self.writer = cfg, data, trainer, writer
+        self.checkpointer, self.recovery, self.monitor = checkpointer, recovery, monitor
+
+    def fault(self, name: str, step: int) -> bool:
+        """Does fault `name` fire at this step? Each fires once per run, rollbacks and resumes included."""
+        if getattr(self.cfg.faults, f"{name}_step") != step or name in self.recovery.fired:
+            return False
+        self.recovery.fired.add(name)
+        self.writer.event("fault", step, fault=name)
+        return True
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        pidx, pcount = jax.process_index(), jax.process_count()
+        local = self.data.train_batch(self.recovery.batch_index(step), pidx, pcount)
+        if self.fault("corrupt", step):
+            local = corrupt(local, self.cfg.faults.corrupt_kind, self.cfg.model.vocab_size, seed=step)
+        return local
+
+    def controls(self, step: int) -> dict:
+        lr_scale = self.recovery.lr_scale(step)
+        if self.fault("lr", step):
+            lr_scale *= self.cfg.faults.lr_multiplier
+        loss_limit, grad_limit = self.monitor.limits(up_to=step - 1)
+        return default_controls(lr_scale, loss_limit, grad_limit, nan_grads=self.fault("nan", step))
+
+    def meta(self) -> dict:
+        from transformer.checkpoint import meta_record
+
+        return meta_record(
+            self.cfg,
+            monitor=self.monitor.state(),
+            skipped_batches=self.recovery.skipped_batches(),
+            rollbacks=self.recovery.rollbacks,
+            faults_fired=sorted(self.recovery.fired),
+        )
+
+
 def train(
     cfg: Config,
     data: Data,
@@ -225,18 +312,19 @@ def train(
     checkpointer=None,
     start: TrainState | None = None,
     stop: StopSignal | None = None,
+    monitor_state: dict | None = None,
 ) -> RunResult:
     """Train `cfg` from `start` (or from scratch), writing metrics and events to `workdir` (process 0
     only) and checkpoints through `checkpointer`. `on_metrics(step, values)` sees every logged set of
     training metrics (tests, notebooks)."""
-    from transformer.checkpoint import meta_record, state_is_finite
+    from transformer.checkpoint import state_is_finite
+    from transformer.monitor import Monitor, MonitorStop, Recovery
 
     mesh = mesh or sharding.make_mesh(cfg)
     lead = jax.process_index() == 0
     writer = RunWriter(workdir, lead, cfg.logging.tensorboard)
     trainer = Trainer(cfg, mesh)
     B, T = cfg.train.batch_size, cfg.data.seq_len
-    pidx, pcount = jax.process_index(), jax.process_count()
     tokens_per_step = B * T
     flops_per_step = flops_per_token(cfg.model, T) * tokens_per_step
     peak, peak_source = device_peak_flops()
@@ -247,76 +335,137 @@ def train(
             f"mesh {dict(mesh.shape)}; peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})"
         )
     state = start if start is not None else trainer.init(jax.random.key(cfg.train.seed))
-    first = int(state.step)
-    writer.event("start", first, devices=n_devices, mesh=dict(mesh.shape), peak_flops=peak)
-    progress = Progress(cfg.train.steps, first, lead and cfg.logging.progress)
-    pending = None  # (step, device metrics) read one step late so the device never waits on the host
-    last_time, last_step, tokens_per_s, mfu, train_loss, val = time.perf_counter(), first, 0.0, 0.0, math.nan, {}
-
-    def flush(step, metrics):
-        nonlocal last_time, last_step, tokens_per_s, mfu, train_loss
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        if step > last_step:
-            seconds = (now - last_time) / (step - last_step)
-            tokens_per_s = tokens_per_step / seconds
-            tflops = flops_per_step / seconds / n_devices
-            mfu = tflops / peak
-            values.update(step_time=seconds, tokens_per_s=tokens_per_s, tflops_per_device=tflops / 1e12, mfu=mfu)
-        last_time, last_step, train_loss = now, step, values["loss"]
-        writer.scalars(step, values)
-        if on_metrics is not None:
-            on_metrics(step, values)
-        progress.update(step, values["loss"], values["lr"], tokens_per_s)
-
+    recovery = Recovery.replay(workdir / "events.jsonl") if workdir is not None else Recovery()
+    loop = _Loop(cfg, data, trainer, writer, checkpointer, recovery, Monitor(cfg.monitor, monitor_state))
+    step = int(state.step)
+    writer.event("start", step, devices=n_devices, mesh=dict(mesh.shape), peak_flops=peak)
+    progress = Progress(cfg.train.steps, step, lead and cfg.logging.progress)
+    pending: list = []  # (step, device metrics) read one step late, so the device never waits on the host
+    last_time, last_step, tokens_per_s, mfu, train_loss, val = time.perf_counter(), step, 0.0, 0.0, math.nan, {}
     saved = -1
+    rollback_to = None
 
-    def checkpoint(step, metrics, val_loss=None, wait=False):
+    def observe():
+        """Read pending metrics: log them, and let the monitor judge them."""
+        nonlocal last_time, last_step, tokens_per_s, mfu, train_loss, rollback_to
+        for done, metrics in pending:
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            anomaly = loop.monitor.observe(done, values["loss"], values["grad_norm"])
+            if anomaly is not None and rollback_to is None:
+                rollback_to = handle(anomaly, values)
+            if done % cfg.logging.every and done != cfg.train.steps:
+                continue
+            now = time.perf_counter()
+            if done > last_step:
+                seconds = (now - last_time) / (done - last_step)
+                tokens_per_s = tokens_per_step / seconds
+                tflops = flops_per_step / seconds / n_devices
+                mfu = tflops / peak
+                values.update(step_time=seconds, tokens_per_s=tokens_per_s, tflops_per_device=tflops / 1e12, mfu=mfu)
+            last_time, last_step, train_loss = now, done, values["loss"]
+            writer.scalars(done, values)
+            if on_metrics is not None:
+                on_metrics(done, values)
+            progress.update(done, values["loss"], values["lr"], tokens_per_s)
+        pending.clear()
+
+    def handle(anomaly, values) -> int | None:
+        """Record an anomaly and act on it; returns the step to roll back to, if any."""
+        action = cfg.monitor.on_spike if anomaly.kind == "spike" else "log"
+        if anomaly.kind == "nonfinite":
+            action = "not applied"
+        elif cfg.monitor.on_spike == "skip" and not values.get("applied", 1.0):
+            action = "skipped"
+        batch_index = recovery.batch_index(anomaly.step - 1)
+        target = None
+        if cfg.monitor.on_spike == "rollback" and anomaly.kind in ("spike", "nonfinite"):
+            target = rollback_target(anomaly.step)
+            action = "rollback" if target is not None else "rollback impossible: no checkpoint before it"
+        writer.event(anomaly.kind, anomaly.step, loss=anomaly.loss, grad_norm=anomaly.grad_norm,
+                     loss_z=anomaly.loss_z, grad_z=anomaly.grad_z, action=action, batch=batch_index,
+                     windows=data.sampler.window_ids(batch_index).tolist())  # fmt: skip
+        writer.scalars(anomaly.step, {"anomaly": 1.0})
+        if loop.monitor.nonfinite_run >= cfg.monitor.max_nonfinite:
+            raise MonitorStop(
+                f"{loop.monitor.nonfinite_run} non-finite steps in a row (monitor.max_nonfinite = "
+                f"{cfg.monitor.max_nonfinite}), the last at step {anomaly.step}; no bad update was applied or saved"
+            )
+        if target is not None and recovery.rollbacks >= cfg.monitor.max_rollbacks:
+            raise MonitorStop(
+                f"{anomaly.kind} at step {anomaly.step} after {recovery.rollbacks} rollbacks "
+                f"(monitor.max_rollbacks = {cfg.monitor.max_rollbacks}); the run stops here"
+            )
+        return target
+
+    def rollback_target(spike_step: int) -> int | None:
+        # the loss logged at step d was computed with the parameters after d - 1 updates
+        if checkpointer is None:
+            return None
+        earlier = [s for s in checkpointer.steps() if s < spike_step - 1]
+        return max(earlier) if earlier else None
+
+    def checkpoint(done, metrics, val_loss=None, wait=False):
         nonlocal saved
         if checkpointer is None:
             return
-        if step == saved:
+        if done == saved:
             if wait:
                 checkpointer.wait()
             return
+        observe()  # the monitor state saved must include this step's metrics
+        if rollback_to is not None:
+            return  # this state is about to be abandoned
         if not state_is_finite(jax.device_get(metrics)):
-            writer.event("not_saved", step, reason="non-finite loss or parameters")
+            writer.event("not_saved", done, reason="non-finite loss or parameters")
             return
-        checkpointer.save(step, state._asdict(), meta_record(cfg), val_loss, wait=wait)
-        saved = step
+        checkpointer.save(done, state._asdict(), loop.meta(), val_loss, wait=wait)
+        saved = done
+
+    def rollback(to: int) -> tuple[TrainState, int]:
+        """Back to checkpoint `to`: later checkpoints are set aside, `skip_batches` batches skipped."""
+        nonlocal rollback_to, saved, last_time, last_step
+        checkpointer.wait()
+        checkpointer.set_aside([s for s in checkpointer.steps() if s > to], "rolledback")
+        _, restored, meta = checkpointer.restore(trainer.abstract_state()._asdict(), step=to)
+        m = cfg.monitor
+        writer.event("rollback", to, to_step=to, skip_batches=m.skip_batches, cooldown=m.cooldown,
+                     lr_factor=m.lr_factor, rollbacks=recovery.rollbacks + 1)  # fmt: skip
+        recovery.rollback(to, m.skip_batches, m.cooldown, m.lr_factor)
+        loop.monitor = Monitor(m, meta.get("monitor"))
+        pending.clear()
+        rollback_to, saved, last_step, last_time = None, to, to, time.perf_counter()
+        if lead:
+            log(f"rolled back to step {to}; skipping {m.skip_batches} batches")
+        return TrainState(**restored), to
 
     try:
-        for step in range(first, cfg.train.steps):
-            batch = trainer.put_batch(data.train_batch(step, pidx, pcount), B)
-            state, metrics = trainer.train_step(state, batch)
-            if pending is not None:
-                flush(*pending)
-                pending = None
+        while step < cfg.train.steps:
+            batch = trainer.put_batch(loop.batch(step), B)
+            state, metrics = trainer.train_step(state, batch, loop.controls(step))
+            observe()
             done = step + 1
+            pending.append((done, metrics))
             last = done == cfg.train.steps
-            if done % cfg.logging.every == 0 or last:
-                pending = (done, metrics)
             evaluated = None
-            if done % cfg.train.eval_every == 0 or last:
-                if pending is not None:
-                    flush(*pending)
-                    pending = None
-                val = trainer.evaluate(state.params, data)
-                evaluated = val["val_loss"]
-                writer.scalars(done, val)
-            if done % cfg.checkpoint.every == 0 or last:
+            if rollback_to is None and (done % cfg.train.eval_every == 0 or last):
+                observe()
+                if rollback_to is None:
+                    val = trainer.evaluate(state.params, data)
+                    evaluated = val["val_loss"]
+                    writer.scalars(done, val)
+            if rollback_to is None and (done % cfg.checkpoint.every == 0 or last):
                 checkpoint(done, metrics, evaluated)
+            if rollback_to is not None:
+                state, step = rollback(rollback_to)
+                continue
             if evaluated is not None or done % cfg.checkpoint.every == 0:
                 last_time = time.perf_counter()  # evaluation and saving are not training time
             if stop is not None and not last and stop.should_stop(done):
-                if pending is not None:
-                    flush(*pending)
-                    pending = None
                 checkpoint(done, metrics, wait=True)
                 writer.event("preempted", done, signal=stop.requested)
                 raise Preempted(done)
-        if pending is not None:
-            flush(*pending)
+            step = done
+        observe()
         if checkpointer is not None:
             checkpointer.wait()
         writer.event("end", cfg.train.steps, train_loss=train_loss, **val)
@@ -325,22 +474,17 @@ def train(
         writer.close()
     return RunResult(train_loss, val, tokens_per_s, mfu, cfg.train.steps, state.params)
 
-
 def with_vocab(cfg: Config, vocab_size: int) -> Config:
     """The run's config with the model's vocabulary taken from the tokenizer."""
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
 
 
-def _restore(trainer: Trainer, checkpointer, writer_event) -> TrainState:
-    """The latest valid checkpoint, resharded onto the trainer's mesh."""
-    abstract = jax.eval_shape(trainer.init, jax.random.key(0))
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, trainer.state_shardings
+def _restore(trainer: Trainer, checkpointer, writer_event) -> tuple[TrainState, dict]:
+    """The latest valid checkpoint, resharded onto the trainer's mesh, and its JSON record."""
+    _, restored, meta = checkpointer.restore(
+        trainer.abstract_state()._asdict(), on_bad=lambda s, why: writer_event("checkpoint_corrupt", s, error=why)
     )
-    step, restored, _ = checkpointer.restore(
-        target._asdict(), on_bad=lambda s, why: writer_event("checkpoint_corrupt", s, error=why)
-    )
-    return TrainState(**restored)
+    return TrainState(**restored), meta
 
 
 def _truncate_metrics(workdir: Path, step: int) -> int:
@@ -400,12 +544,13 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
     mesh = sharding.make_mesh(cfg)
     checkpointer = Checkpointer(workdir, cfg.checkpoint)
     events = RunWriter(workdir, lead, tensorboard=False)
-    start = None
+    start, monitor_state = None, None
     try:
         if leftovers:
             events.event("partial_checkpoint_removed", 0, names=leftovers)
         if resuming:
-            start = _restore(Trainer(cfg, mesh), checkpointer, events.event)
+            start, meta = _restore(Trainer(cfg, mesh), checkpointer, events.event)
+            monitor_state = meta.get("monitor")
             step = int(start.step)
             dropped = _truncate_metrics(workdir, step) if lead else 0
             events.event("resume", step, dropped_metrics=dropped)
@@ -420,7 +565,8 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
         (workdir / "config.yaml").write_text(cfg.to_yaml())
     try:
         with StopSignal() as stop:
-            result = train(cfg, data, workdir, mesh, log, checkpointer=checkpointer, start=start, stop=stop)
+            result = train(cfg, data, workdir, mesh, log, checkpointer=checkpointer, start=start, stop=stop,
+                           monitor_state=monitor_state)  # fmt: skip
     finally:
         checkpointer.close()
     if lead:

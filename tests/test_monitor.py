@@ -1,0 +1,247 @@
+"""Loss-spike monitoring and recovery: detection, skip, rollback, non-finite steps, fault records."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from transformer import sharding
+from transformer.config import MonitorConfig, load_config
+from transformer.data import prepare
+from transformer.monitor import Monitor, MonitorStop, Recovery
+from transformer.trainer import Trainer, default_controls, run, with_vocab
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("monitor-corpus") / "docs.jsonl"
+    rng = np.random.default_rng(3)
+    with open(path, "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(20, 80)))}) + "\n")
+    return path
+
+
+def args(corpus, cache, *extra):
+    return [
+        f"data.source=files:{corpus}", f"data.cache_dir={cache}", "data.seq_len=32", "data.val_windows=8",
+        "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_multiple=16", "train.batch_size=8",
+        "train.eval_every=1000", "logging.every=1", "logging.progress=false", "logging.tensorboard=false",
+        "checkpoint.every=10", "checkpoint.keep=3", "optim.warmup_steps=5", "optim.schedule=constant",
+        "monitor.window=64", "monitor.threshold=8", "optim.lr=1e-3", *extra,
+    ]  # fmt: skip
+
+
+def train_run(corpus, cache, workdir, *extra):
+    run(load_config(None, args(corpus, cache, *extra)), workdir, log=lambda _: None)
+    return workdir
+
+
+def events(workdir: Path, kind: str | None = None) -> list[dict]:
+    out = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
+    return [e for e in out if kind is None or e["event"] == kind]
+
+
+def final_losses(workdir: Path) -> dict[int, float]:
+    """The last value logged for each step (a rollback logs the abandoned steps first)."""
+    out = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+# --- the monitor on its own ----------------------------------------------------------------------
+
+
+def test_spike_detection_and_window_hygiene():
+    monitor = Monitor(MonitorConfig(window=32, threshold=6.0))
+    rng = np.random.default_rng(0)
+    for step in range(1, 41):
+        assert monitor.observe(step, 3.0 + 0.01 * rng.standard_normal(), 1.0 + 0.01 * rng.standard_normal()) is None
+    spike = monitor.observe(41, 3.5, 1.0)
+    assert spike.kind == "spike" and spike.loss_z > 6
+    assert all(e[0] != 41 for e in monitor.window)  # anomalies never widen the band
+    assert monitor.observe(42, 3.0, 1.5).kind == "spike"  # the gradient norm alone is enough
+    assert monitor.observe(43, math.nan, 1.0).kind == "nonfinite"
+    assert monitor.nonfinite_run == 1
+    assert monitor.observe(44, 3.0, 1.0) is None and monitor.nonfinite_run == 0
+
+
+def test_not_warm_no_spike_and_divergence_reported_once():
+    monitor = Monitor(MonitorConfig(window=128, divergence_steps=3))
+    assert monitor.observe(1, 2.0, 1.0) is None
+    for step in range(2, 10):  # 100x the loss, but too few steps to judge: no spike
+        found = monitor.observe(step, 200.0, 1.0)
+        assert found is None or found.kind == "divergence"
+    kinds = [monitor.observe(s, 5.0, 1.0) for s in range(10, 20)]
+    assert [k for k in kinds if k is not None] == []  # divergence was reported once, at step 4
+    fresh = Monitor(MonitorConfig(window=128, divergence_steps=3))
+    got = [fresh.observe(s, loss, 1.0) for s, loss in enumerate([2.0, 3.0, 3.0, 3.0, 3.0], start=1)]
+    assert [a.step for a in got if a is not None and a.kind == "divergence"] == [4]
+
+
+def test_skip_limits_count_only_steps_up_to_the_asked_one():
+    monitor = Monitor(MonitorConfig(window=16, threshold=2.0, on_spike="skip"))
+    for step in range(1, 17):
+        monitor.observe(step, float(step % 2), 1.0)
+    assert monitor.limits(up_to=16) == pytest.approx((0.5 + 2 * 0.5, 1.0))
+    assert monitor.limits(up_to=3) == (math.inf, math.inf)  # 3 steps: not warm
+    assert Monitor(MonitorConfig(window=16, on_spike="log"), monitor.state()).limits(16) == (math.inf, math.inf)
+
+
+def test_recovery_replay_skips_cooldowns_and_faults(tmp_path):
+    journal = tmp_path / "events.jsonl"
+    lines = [
+        {"event": "fault", "step": 50, "fault": "lr"},
+        {"event": "rollback", "step": 40, "to_step": 40, "skip_batches": 20, "cooldown": 10, "lr_factor": 0.5},
+        {"event": "rollback", "step": 30, "to_step": 30, "skip_batches": 5, "cooldown": 0, "lr_factor": 1.0},
+    ]
+    journal.write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"event": "roll')  # a torn last line
+    recovery = Recovery.replay(journal)
+    assert recovery.rollbacks == 2 and recovery.fired == {"lr"}
+    # the second rollback (to 30) abandoned what the first recorded at 40
+    assert recovery.skips == [(30, 5)] and recovery.cooldowns == []
+    assert [recovery.batch_index(s) for s in (29, 30, 31)] == [29, 35, 36]
+    assert recovery.skipped_batches() == [30, 31, 32, 33, 34]
+    two = Recovery()
+    two.rollback(40, 20, 10, 0.5)
+    assert [two.lr_scale(s) for s in (39, 40, 49, 50)] == [1.0, 0.5, 0.5, 1.0]
+
+
+# --- in the jitted step --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stepper(corpus, tmp_path_factory):
+    cfg = load_config(None, args(corpus, tmp_path_factory.mktemp("cache")))
+    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
+    cfg = with_vocab(cfg, data.vocab_size)
+    trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
+    return trainer, data
+
+
+def snapshot(state):
+    return [np.asarray(x).copy() for x in jax.tree.leaves((state.params, state.opt_state))]
+
+
+@pytest.mark.parametrize(
+    "controls",
+    [default_controls(loss_limit=0.0), default_controls(grad_limit=0.0), default_controls(nan_grads=True)],
+    ids=["loss-above-limit", "grad-above-limit", "nan-gradients"],
+)
+def test_a_dropped_step_leaves_parameters_and_moments_bitwise_unchanged(stepper, controls):
+    trainer, data = stepper
+    state = trainer.init(jax.random.key(0))
+    state, _ = trainer.train_step(state, trainer.put_batch(data.train_batch(0), 8), default_controls())
+    before = snapshot(state)
+    state, metrics = trainer.train_step(state, trainer.put_batch(data.train_batch(1), 8), controls)
+    assert float(metrics["applied"]) == 0.0
+    for a, b in zip(before, snapshot(state)):
+        np.testing.assert_array_equal(a, b)
+    assert int(state.step) == 2  # the batch was consumed all the same
+    state, metrics = trainer.train_step(state, trainer.put_batch(data.train_batch(2), 8), default_controls())
+    assert float(metrics["applied"]) == 1.0
+    assert any(not np.array_equal(a, b) for a, b in zip(before, snapshot(state)))
+
+
+# --- whole runs ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("monitor-cache")
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, cache, tmp_path_factory):
+    return train_run(corpus, cache, tmp_path_factory.mktemp("reference") / "run", "train.steps=100")
+
+
+def test_injected_spike_rollback_recovers(corpus, cache, reference, tmp_path):
+    workdir = train_run(
+        corpus, cache, tmp_path / "run", "train.steps=100", "faults.lr_step=50", "faults.lr_multiplier=3000",
+        "monitor.on_spike=rollback", "monitor.skip_batches=20", "monitor.cooldown=10", "monitor.lr_factor=0.5",
+    )  # fmt: skip
+    assert [e["step"] for e in events(workdir, "fault")] == [50]
+    spikes = events(workdir, "spike")
+    assert spikes and 51 <= spikes[0]["step"] <= 54, "detected within a few steps of the fault"
+    assert spikes[0]["action"] == "rollback" and spikes[0]["batch"] >= 50 and len(spikes[0]["windows"]) == 8
+    rollback = events(workdir, "rollback")[0]
+    assert rollback["to_step"] == 50 and rollback["skip_batches"] == 20
+    got, want = final_losses(workdir), final_losses(reference)
+    # back on track: within 5% of the uninjected run, averaged over the last 20 steps
+    tail = range(81, 101)
+    assert abs(np.mean([got[s] for s in tail]) / np.mean([want[s] for s in tail]) - 1) < 0.05
+    assert max(got[s] for s in range(60, 101)) < 1.5 * max(want[s] for s in range(60, 101))
+
+
+def test_skip_mode_drops_the_spike_step(corpus, cache, tmp_path):
+    workdir = train_run(corpus, cache, tmp_path / "run", "train.steps=80", "faults.corrupt_step=70",
+                        "faults.corrupt_kind=repeated", "monitor.on_spike=skip")  # fmt: skip
+    records = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "applied" in r:
+            records[r["step"]] = r
+    assert records[71]["applied"] == 0.0, "the corrupt batch's update was applied"
+    assert sum(r["applied"] == 0.0 for r in records.values()) <= 3
+    assert any(e["action"] == "skipped" and e["step"] == 71 for e in events(workdir, "spike"))
+
+
+def test_nan_gradients_never_reach_parameters_or_checkpoints(corpus, cache, reference, tmp_path):
+    from transformer.checkpoint import load
+
+    workdir = train_run(corpus, cache, tmp_path / "run", "train.steps=40", "faults.nan_step=25")
+    nonfinite = events(workdir, "nonfinite")
+    assert [e["step"] for e in nonfinite] == [26] and nonfinite[0]["action"] == "not applied"
+    _, model = load(workdir)
+    from flax import nnx
+
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(nnx.state(model)))
+
+
+def test_consecutive_nonfinite_steps_stop_the_run(corpus, cache, tmp_path):
+    workdir = tmp_path / "run"
+    with pytest.raises(MonitorStop, match=r"3 non-finite steps in a row \(monitor.max_nonfinite = 3\)"):
+        train_run(corpus, cache, workdir, "train.steps=40", "optim.lr=1e30", "optim.name=sgd",
+                  "optim.clip_norm=null", "optim.warmup_steps=0", "monitor.max_nonfinite=3")  # fmt: skip
+    assert [e["action"] for e in events(workdir, "nonfinite")] == ["not applied"] * 3
+    assert not [p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]  # nothing bad was saved
+
+
+def test_recovery_records_survive_a_kill(corpus, cache, tmp_path):
+    """Killed after a rollback: the resumed run does not fire the fault again, keeps the skipped
+    batches, and ends where an unkilled run with the same rollback ends."""
+    extra = ("train.steps=70", "faults.lr_step=40", "faults.lr_multiplier=3000", "monitor.on_spike=rollback",
+             "monitor.skip_batches=20", "checkpoint.async=false")  # fmt: skip
+    straight = train_run(corpus, cache, tmp_path / "straight", *extra)
+    workdir = tmp_path / "killed"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "train.py", *args(corpus, cache, *extra), "--workdir", str(workdir)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 300
+    while not (workdir / "events.jsonl").exists() or '"event": "rollback"' not in (workdir / "events.jsonl").read_text():
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    train_run(corpus, cache, workdir, *extra)
+    assert [e["step"] for e in events(workdir, "fault")] == [40]  # fired once, not again after the resume
+    assert len(events(workdir, "rollback")) == len(events(straight, "rollback")) == 1
+    got, want = final_losses(workdir), final_losses(straight)
+    assert {s: got[s] for s in range(41, 71)} == {s: want[s] for s in range(41, 71)}

@@ -1,0 +1,167 @@
+"""Loss-spike detection and the host-side state of recovery.
+
+The monitor sees each step's loss and gradient norm one step late (no host synchronisation is added
+to the step), keeps rolling statistics over `monitor.window` normal steps, and classifies anomalies:
+
+- `nonfinite`: a NaN/inf loss or gradient norm (always an anomaly; the jitted step never applies it);
+- `spike`: loss or gradient norm above mean + threshold * std once the window is warm;
+- `divergence`: loss above its first value for `monitor.divergence_steps` steps in a row.
+
+Recovery (`monitor.on_spike`): `log` records; `skip` hands limits to the jitted step, which then drops
+updates above them (moments untouched); `rollback` restores the last checkpoint before the spike,
+skips `monitor.skip_batches` data batches and optionally cools the learning rate down.
+
+What recovery did must survive rollbacks, kills and resumes, so it is journaled in `events.jsonl`
+(`rollback`, `fault`) and replayed from there; the statistics window travels in checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import deque
+from pathlib import Path
+
+from transformer.config import MonitorConfig
+
+WARM_FRACTION = 4  # the window is warm once it holds window / WARM_FRACTION normal steps (at least 8)
+
+
+class MonitorStop(RuntimeError):
+    """The run cannot go on: too many non-finite steps in a row, or rollbacks exhausted (exit 1)."""
+
+
+@dataclasses.dataclass
+class Anomaly:
+    kind: str  # spike | nonfinite | divergence
+    step: int
+    loss: float
+    grad_norm: float
+    loss_z: float
+    grad_z: float
+
+
+def _mean_std(values) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    return mean, math.sqrt(max(0.0, sum((v - mean) ** 2 for v in values) / n))
+
+
+class Monitor:
+    def __init__(self, cfg: MonitorConfig, state: dict | None = None):
+        self.cfg = cfg
+        state = state or {}
+        # (step, loss, grad norm) of the last `window` normal steps
+        self.window = deque((tuple(e) for e in state.get("window", [])), maxlen=cfg.window)
+        self.first_loss = state.get("first_loss")
+        self.above_first = state.get("above_first", 0)
+        self.nonfinite_run = state.get("nonfinite_run", 0)
+
+    def state(self) -> dict:
+        """JSON-able; saved in checkpoints so a resumed run makes the same decisions."""
+        return {
+            "window": [list(e) for e in self.window],
+            "first_loss": self.first_loss,
+            "above_first": self.above_first,
+            "nonfinite_run": self.nonfinite_run,
+        }
+
+    def _stats(self, up_to: int | None = None):
+        entries = [e for e in self.window if up_to is None or e[0] <= up_to]
+        if len(entries) < max(8, self.cfg.window // WARM_FRACTION):
+            return None  # not warm yet
+        return _mean_std([e[1] for e in entries]), _mean_std([e[2] for e in entries])
+
+    def limits(self, up_to: int) -> tuple[float, float]:
+        """(loss, grad norm) above which the jitted step drops an update; inf unless skipping.
+
+        Only steps <= up_to count, so the limits do not depend on when the host happened to read
+        the metrics (which changes with evaluation and checkpoint frequency)."""
+        stats = self._stats(up_to) if self.cfg.on_spike == "skip" else None
+        if stats is None:
+            return math.inf, math.inf
+        (lm, ls), (gm, gs) = stats
+        k = self.cfg.threshold
+        return lm + k * ls, gm + k * gs
+
+    def observe(self, step: int, loss: float, grad_norm: float) -> Anomaly | None:
+        """Classify one step; normal steps enter the window, anomalies do not (a spike must not
+        widen the band that detects the next one)."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.nonfinite_run += 1
+            return Anomaly("nonfinite", step, loss, grad_norm, math.nan, math.nan)
+        self.nonfinite_run = 0
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.above_first = self.above_first + 1 if loss > self.first_loss else 0
+        loss_z = grad_z = 0.0
+        stats = self._stats()
+        if stats is not None:
+            (lm, ls), (gm, gs) = stats
+            loss_z = (loss - lm) / ls if ls > 0 else 0.0
+            grad_z = (grad_norm - gm) / gs if gs > 0 else 0.0
+            if loss_z > self.cfg.threshold or grad_z > self.cfg.threshold:
+                return Anomaly("spike", step, loss, grad_norm, loss_z, grad_z)
+        self.window.append((step, loss, grad_norm))
+        if self.above_first == self.cfg.divergence_steps:  # reported once, when it becomes true
+            return Anomaly("divergence", step, loss, grad_norm, loss_z, grad_z)
+        return None
+
+
+@dataclasses.dataclass
+class Recovery:
+    """What rollbacks and faults did, replayed from the event journal.
+
+    skips: (from_step, count): from `from_step` on, data batch indices are shifted by `count`.
+    cooldowns: (from_step, until_step, factor): the learning rate is scaled by `factor` in between.
+    """
+
+    rollbacks: int = 0
+    skips: list = dataclasses.field(default_factory=list)
+    cooldowns: list = dataclasses.field(default_factory=list)
+    fired: set = dataclasses.field(default_factory=set)
+
+    def rollback(self, to_step: int, skip_batches: int, cooldown: int, lr_factor: float) -> None:
+        # anything recorded after the restored step belonged to the abandoned trajectory
+        self.skips = [s for s in self.skips if s[0] <= to_step]
+        self.cooldowns = [c for c in self.cooldowns if c[0] <= to_step]
+        if skip_batches:
+            self.skips.append((to_step, skip_batches))
+        if cooldown and lr_factor != 1.0:
+            self.cooldowns.append((to_step, to_step + cooldown, lr_factor))
+        self.rollbacks += 1
+
+    def batch_index(self, step: int) -> int:
+        return step + sum(count for start, count in self.skips if step >= start)
+
+    def skipped_batches(self) -> list[int]:
+        """Data batch indices never trained on (stored in checkpoints for inspection)."""
+        skipped, shift = [], 0
+        for start, count in sorted(self.skips):
+            skipped += range(start + shift, start + shift + count)
+            shift += count
+        return skipped
+
+    def lr_scale(self, step: int) -> float:
+        scale = 1.0
+        for start, until, factor in self.cooldowns:
+            if start <= step < until:
+                scale *= factor
+        return scale
+
+    @classmethod
+    def replay(cls, events_path: Path) -> "Recovery":
+        recovery = cls()
+        if not events_path.exists():
+            return recovery
+        for line in events_path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a torn last line from a kill
+            if event.get("event") == "rollback":
+                recovery.rollback(event["to_step"], event["skip_batches"], event["cooldown"], event["lr_factor"])
+            elif event.get("event") == "fault":
+                recovery.fired.add(event["fault"])
+        return recovery
