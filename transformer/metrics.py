@@ -56,6 +56,8 @@ def device_peak_flops(device=None) -> tuple[float, str]:
 
 
 def _jsonable(value):
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
     if isinstance(value, (np.generic, jax.Array)):
         value = np.asarray(value).item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -88,12 +90,14 @@ class RunWriter:
         if self.tb is not None:
             from tensorboard.compat.proto import event_pb2, summary_pb2
 
+            tags = []
+            for k, v in values.items():
+                if isinstance(v, (list, tuple)):  # per-layer values: one tag per layer
+                    tags += [(f"{k}/layer_{i}", x) for i, x in enumerate(v)]
+                elif isinstance(v, (int, float, np.generic)):
+                    tags.append((k, v))
             summary = summary_pb2.Summary(
-                value=[
-                    summary_pb2.Summary.Value(tag=k, simple_value=float(v))
-                    for k, v in values.items()
-                    if isinstance(v, (int, float, np.generic))
-                ]
+                value=[summary_pb2.Summary.Value(tag=tag, simple_value=float(x)) for tag, x in tags]
             )
             self.tb.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 

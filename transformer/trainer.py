@@ -48,6 +48,12 @@ def cross_entropy(logits_BxTxV, targets_BxT, weights_BxT, z_loss: float):
     return nll_sum + z_loss * z_sum, nll_sum, jnp.sum(weights_BxT)
 
 
+def _per_layer_norm(tree) -> jax.Array:
+    """[L]: the norm of each layer's slice of a tree whose leaves are stacked on a leading layer axis."""
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.reshape(x.shape[0], -1).astype(jnp.float32)), axis=1) for x in leaves))
+
+
 def default_controls(lr_scale: float = 1.0, loss_limit: float = math.inf, grad_limit: float = math.inf,
                      nan_grads: bool = False) -> dict:  # fmt: skip
     return {
@@ -84,6 +90,9 @@ class Trainer:
         )
         self.eval_step = jax.jit(
             self._eval_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated
+        )
+        self.stats_step = jax.jit(
+            self._stats_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated
         )
 
     # --- pure functions ---------------------------------------------------------------------------
@@ -148,7 +157,15 @@ class Trainer:
             "lr": self.lr(state.step) * controls["lr_scale"],
             "applied": apply.astype(jnp.float32),
         }
+        if self.cfg.monitor.stats_every:  # per layer, [L]: cheap reductions, and none when off
+            metrics["grad_norm_attn"] = _per_layer_norm(grads["blocks"]["attn"])
+            metrics["grad_norm_ffn"] = _per_layer_norm(grads["blocks"]["ffn"])
+            metrics["update_ratio"] = _per_layer_norm(updates["blocks"]) / _per_layer_norm(state.params["blocks"])
         return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _stats_step(self, params, batch) -> dict:
+        model = nnx.merge(self.graphdef, params)
+        return model.stability_stats(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
 
     def _eval_step(self, params, batch) -> tuple[jax.Array, jax.Array]:
         _, (nll_sum, count) = self._loss(params, batch, None)
@@ -349,7 +366,7 @@ def train(
         """Read pending metrics: log them, and let the monitor judge them."""
         nonlocal last_time, last_step, tokens_per_s, mfu, train_loss, rollback_to
         for done, metrics in pending:
-            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            values = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
             anomaly = loop.monitor.observe(done, values["loss"], values["grad_norm"])
             if anomaly is not None and rollback_to is None:
                 rollback_to = handle(anomaly, values)
@@ -453,6 +470,10 @@ def train(
                     val = trainer.evaluate(state.params, data)
                     evaluated = val["val_loss"]
                     writer.scalars(done, val)
+            if rollback_to is None and cfg.monitor.stats_every and done % cfg.monitor.stats_every == 0:
+                per_layer = {k: v for k, v in jax.device_get(metrics).items() if np.ndim(v) == 1}
+                stats = jax.device_get(trainer.stats_step(state.params, batch))
+                writer.scalars(done, {k: np.asarray(v).tolist() for k, v in {**per_layer, **stats}.items()})
             if rollback_to is None and (done % cfg.checkpoint.every == 0 or last):
                 checkpoint(done, metrics, evaluated)
             if rollback_to is not None:

@@ -35,14 +35,34 @@ def attention_mask(
     return allowed_BxTxS
 
 
-def attend_einsum(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, bias_BxKxGxTxS, cfg: ModelConfig, key):
-    """Reference attention in plain einsums; the only path with soft-capping and attention dropout."""
+def attention_logits(q_BxTxKxGxH, k_BxSxKxH, bias_BxKxGxTxS, cfg: ModelConfig) -> jax.Array:
+    """Float32 logits before masking: scaled scores, soft-capped, plus the position bias."""
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
     scores_BxKxGxTxS = scores * cfg.scale
     if cfg.attn_softcap is not None:
         scores_BxKxGxTxS = cfg.attn_softcap * jnp.tanh(scores_BxKxGxTxS / cfg.attn_softcap)
     if bias_BxKxGxTxS is not None:
         scores_BxKxGxTxS = scores_BxKxGxTxS + bias_BxKxGxTxS
+    return scores_BxKxGxTxS
+
+
+def attention_stats(logits_BxKxGxTxS, mask_BxTxS) -> dict[str, jax.Array]:
+    """Max and mean of the attended logits, and the entropy of each query's attention (mean over
+    batch, heads and positions): the quantities that blow up in attention-logit growth."""
+    allowed = jnp.broadcast_to(mask_BxTxS[:, None, None], logits_BxKxGxTxS.shape)
+    masked = jnp.where(allowed, logits_BxKxGxTxS, MASK_VALUE)
+    probs = jax.nn.softmax(masked, axis=-1)
+    entropy = -jnp.sum(jnp.where(allowed, probs * jnp.log(jnp.where(allowed, probs, 1.0)), 0.0), axis=-1)
+    return {
+        "attn_logit_max": jnp.max(masked),
+        "attn_logit_mean": jnp.sum(jnp.where(allowed, logits_BxKxGxTxS, 0.0)) / jnp.sum(allowed),
+        "attn_entropy": jnp.mean(entropy),
+    }
+
+
+def attend_einsum(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, bias_BxKxGxTxS, cfg: ModelConfig, key):
+    """Reference attention in plain einsums; the only path with soft-capping and attention dropout."""
+    scores_BxKxGxTxS = attention_logits(q_BxTxKxGxH, k_BxSxKxH, bias_BxKxGxTxS, cfg)
     scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, MASK_VALUE)
     probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1)
     probs_BxKxGxTxS = dropout(probs_BxKxGxTxS, cfg.attn_dropout, key).astype(v_BxSxKxH.dtype)
@@ -75,6 +95,7 @@ class Attention(nnx.Module):
         key: jax.Array | None = None,
         cache: dict | None = None,
         index: int | jax.Array = 0,
+        collect: bool = False,
     ):
         """Attention output [B, T, D]; with a `cache` (decoding), also the updated cache.
 
@@ -120,6 +141,14 @@ class Attention(nnx.Module):
         if cfg.position == "alibi":
             bias_BxNxTxS = alibi_bias(N, positions_BxT, k_positions_BxS)
         S = k_BxSxKxH.shape[1]
+        if collect:  # stability statistics (sown; a separate, occasional forward pass asks for them)
+            bias = None if bias_BxNxTxS is None else bias_BxNxTxS.reshape(B, cfg.n_kv_heads, G, T, S)
+            logits = attention_logits(q_BxTxKxGxH, k_BxSxKxH, bias, cfg)
+            full_mask = mask_BxTxS
+            if full_mask is None:
+                full_mask = attention_mask(jnp.arange(T), jnp.arange(S), window, segment_ids_BxT, segment_ids_BxT)
+            for name, value in attention_stats(logits, full_mask).items():
+                self.sow(nnx.Intermediate, name, value)
         if cfg.attention_impl == "einsum":
             bias = None if bias_BxNxTxS is None else bias_BxNxTxS.reshape(B, cfg.n_kv_heads, G, T, S)
             out_BxTxKxGxH = attend_einsum(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, bias, cfg, key)

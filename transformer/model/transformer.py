@@ -44,20 +44,24 @@ class Block(nnx.Module):
                 return norm(self.cfg.residual_alpha * x + dropout(sublayer(x), rate, key))
         raise AssertionError(self.cfg.norm_position)
 
-    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, window, key=None, cache=None, index=0):
-        """The block's output; with a KV `cache` (decoding), (output, updated cache)."""
+    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, window, key=None, cache=None, index=0,
+                 collect=False):  # fmt: skip
+        """The block's output; with a KV `cache` (decoding), (output, updated cache). With `collect`,
+        statistics are sown as nnx.Intermediate (attention logits and entropy, residual RMS)."""
         keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
         new_cache = None
 
         def attend(h):
             nonlocal new_cache
             if cache is None:
-                return self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0])
+                return self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0], collect=collect)
             y, new_cache = self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0], cache, index)
             return y
 
         x_BxTxD = self.residual(x_BxTxD, attend, self.attn_norm, self.attn_out_norm, keys[1])
         x_BxTxD = self.residual(x_BxTxD, self.ffn, self.ffn_norm, self.ffn_out_norm, keys[2])
+        if collect:
+            self.sow(nnx.Intermediate, "residual_rms", jnp.sqrt(jnp.mean(jnp.square(x_BxTxD.astype(jnp.float32)))))
         return x_BxTxD if cache is None else (x_BxTxD, new_cache)
 
 
@@ -96,15 +100,23 @@ class Transformer(nnx.Module):
             x_BxTxD = x_BxTxD + sinusoidal(positions_BxT, cfg.d_model).astype(cfg.dtype)
         return x_BxTxD
 
-    def run_blocks(self, x_BxTxD, positions_BxT, segment_ids_BxT=None, key=None) -> jax.Array:
-        """The block stack on embeddings x, then the final norm where the placement has one."""
+    def run_blocks(self, x_BxTxD, positions_BxT, segment_ids_BxT=None, key=None, collect=False):
+        """The block stack on embeddings x, then the final norm where the placement has one.
+        With `collect`, also each layer's statistics: {name: [L]} (see Block)."""
         cfg = self.cfg
         graphdef, state = nnx.split(self.blocks)
         keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
         windows = cfg.layer_windows
 
         def block(x, state_l, key_l, window):
-            return nnx.merge(graphdef, state_l)(x, positions_BxT, segment_ids_BxT, window, key_l)
+            module = nnx.merge(graphdef, state_l)
+            if not collect:
+                return module(x, positions_BxT, segment_ids_BxT, window, key_l), {}
+            forward = nnx.capture(lambda m: m(x, positions_BxT, segment_ids_BxT, window, key_l, collect=True),
+                                  nnx.Intermediate)  # fmt: skip
+            x, sown = forward(module)
+            # what the block sowed, by name; each value is a one-element tuple
+            return x, {path[-1]: value.get_value()[0] for path, value in nnx.to_flat_state(sown)}
 
         def remat(f, static_argnums):
             if cfg.remat == "none":
@@ -113,21 +125,36 @@ class Transformer(nnx.Module):
 
         if not cfg.scan_layers:
             step = remat(block, (3,))
+            per_layer = []
             for i in range(cfg.n_layers):
                 state_l = jax.tree.map(lambda a: a[i], state)
-                x_BxTxD = step(x_BxTxD, state_l, None if keys_L is None else keys_L[i], windows[i])
+                x_BxTxD, stats = step(x_BxTxD, state_l, None if keys_L is None else keys_L[i], windows[i])
+                per_layer.append(stats)
+            stats_L = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
         elif len(set(windows)) == 1:  # one window for every layer: keep it static
             step = remat(block, (3,))
-            body = lambda x, xs: (step(x, *xs, windows[0]), None)  # noqa: E731
-            x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (state, keys_L))
+            body = lambda x, xs: step(x, *xs, windows[0])  # noqa: E731
+            x_BxTxD, stats_L = jax.lax.scan(body, x_BxTxD, (state, keys_L))
         else:  # a per-layer pattern: the window becomes a scanned value
             step = remat(block, ())
             windows_L = jnp.asarray([GLOBAL_WINDOW if w is None else w for w in windows], jnp.int32)
-            body = lambda x, xs: (step(x, *xs), None)  # noqa: E731
-            x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, (state, keys_L, windows_L))
+            body = lambda x, xs: step(x, *xs)  # noqa: E731
+            x_BxTxD, stats_L = jax.lax.scan(body, x_BxTxD, (state, keys_L, windows_L))
         if self.final_norm is not None:
             x_BxTxD = self.final_norm(x_BxTxD)
-        return x_BxTxD
+        return (x_BxTxD, stats_L) if collect else x_BxTxD
+
+    def stability_stats(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None) -> dict[str, jax.Array]:
+        """One deterministic forward pass that reports, per layer ([L] each): attention logit max and
+        mean, attention entropy, residual-stream RMS after the block; and the mean output log Z
+        (what z-loss pushes toward 0)."""
+        B, T = tokens_BxT.shape
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        x_BxTxD = self.embed_tokens(tokens_BxT, positions_BxT)
+        x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, collect=True)
+        stats["log_z_mean"] = jnp.mean(jax.nn.logsumexp(self.logits(x_BxTxD), axis=-1))
+        return stats
 
     def logits(self, x_BxTxD) -> jax.Array:
         """Float32 logits; the padding rows of the vocab are masked out so perplexity stays honest."""
