@@ -280,6 +280,32 @@ def test_keep_latest_and_best(corpus, cache, tmp_path):
     best = min(val, key=val.get)
     kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == sorted({50, 60, best})
+    # a new process (a resumed run) still knows each checkpoint's validation loss, so it keeps the best
+    from transformer.checkpoint import Checkpointer
+    from transformer.config import CheckpointConfig
+
+    reopened = Checkpointer(workdir, CheckpointConfig(), read_only=True)
+    assert {s: reopened.manager.metrics(s)["val_loss"] for s in kept} == pytest.approx({s: val[s] for s in kept})
+    reopened.close()
+    run_in_process(corpus, cache, workdir, "train.steps=80", "train.eval_every=10", "checkpoint.keep=2",
+                   "checkpoint.keep_best=1", "optim.lr=0.2", "optim.clip_norm=null", "optim.schedule=constant")  # fmt: skip
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "val_loss" in record:
+            val[record["step"]] = record["val_loss"]
+    best = min(val, key=val.get)
+    kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == sorted({70, 80, best})
+
+
+def test_resuming_a_finished_run_says_so(corpus, cache, straight, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    out = cli(*args(corpus, cache, "train.steps=60"), "--workdir", str(workdir))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"train.py: error: config: train.steps: {workdir} is already trained to step 60; raise train.steps to continue it"
+    ]
 
 
 def test_non_finite_state_is_never_saved(corpus, cache, tmp_path):

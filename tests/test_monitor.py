@@ -121,6 +121,43 @@ def test_recovery_replay_skips_cooldowns_and_faults(tmp_path):
     assert [two.lr_scale(s) for s in (39, 40, 49, 50)] == [1.0, 0.5, 0.5, 1.0]
 
 
+def test_a_level_shift_restarts_the_window_instead_of_flagging_forever():
+    monitor = Monitor(MonitorConfig(window=32, threshold=6.0))
+    rng = np.random.default_rng(1)
+    for step in range(1, 33):
+        monitor.observe(step, 3.0 + 0.01 * rng.standard_normal(), 1.0 + 0.01 * rng.standard_normal())
+    kinds = [monitor.observe(s, 5.0 + 0.01 * rng.standard_normal(), 1.0) for s in range(33, 60)]
+    names = [k.kind if k else None for k in kinds]
+    assert names[: monitor.warm_count - 1] == ["spike"] * (monitor.warm_count - 1)
+    assert names[monitor.warm_count - 1] == "level_shift"
+    assert set(names[monitor.warm_count :]) == {None}  # the new level is the new normal
+
+
+def test_divergence_is_reported_even_when_every_step_is_a_spike():
+    monitor = Monitor(MonitorConfig(window=32, divergence_steps=5))
+    for step in range(1, 20):
+        monitor.observe(step, 3.0 - 0.01 * step, 1.0)
+    kinds = [monitor.observe(s, 50.0, 1.0) for s in range(20, 30)]
+    assert [k.kind for k in kinds if k is not None].count("divergence") == 1
+
+
+def test_a_step_the_jit_did_not_apply_is_a_spike():
+    monitor = Monitor(MonitorConfig(window=32))
+    assert monitor.observe(1, 3.0, 1.0, applied=False).kind == "spike"
+    assert not monitor.window
+
+
+def test_fault_replay_after_a_kill(tmp_path):
+    journal = tmp_path / "events.jsonl"
+    journal.write_text(json.dumps({"event": "fault", "step": 40, "fault": "lr"}) + "\n")
+    assert Recovery.replay(journal, resume_step=41).fired == {"lr"}  # in the checkpoint's past
+    assert Recovery.replay(journal, resume_step=40).fired == set()  # killed before it was dealt with: again
+    with open(journal, "a") as f:
+        f.write(json.dumps({"event": "rollback", "step": 40, "to_step": 40, "skip_batches": 3, "cooldown": 0,
+                            "lr_factor": 1.0}) + "\n")  # fmt: skip
+    assert Recovery.replay(journal, resume_step=40).fired == {"lr"}  # recovered from: never again
+
+
 # --- in the jitted step --------------------------------------------------------------------------
 
 

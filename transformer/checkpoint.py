@@ -99,6 +99,10 @@ class Checkpointer:
                 )
             )
         options = ocp.CheckpointManagerOptions(
+            # best_fn only makes orbax write each step's metrics to disk, so that BestN still knows
+            # them after a resume or a reload; retention itself is the preservation policy's
+            best_fn=lambda m: m["val_loss"],
+            best_mode="min",
             enable_async_checkpointing=cfg.async_ and not read_only,
             preservation_policy=policies.AnyPreservationPolicy(keep),
             cleanup_tmp_directories=not read_only,
@@ -168,7 +172,7 @@ class Checkpointer:
         """Rename checkpoints the run will write again (damaged ones newer than the one resumed from,
         or those of a trajectory abandoned by a rollback) to STEP.REASON: kept for inspection, never
         deleted, invisible to the manager."""
-        for step in steps:
+        for step in steps if jax.process_index() == 0 else []:
             src = self.directory / str(step)
             if src.is_dir():
                 dst, n = self.directory / f"{step}.{reason}", 1
@@ -177,6 +181,10 @@ class Checkpointer:
                     dst = self.directory / f"{step}.{reason}{n}"
                 src.rename(dst)
         if steps:
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("checkpoint set aside")
             self.manager.reload()
 
     def close(self) -> None:

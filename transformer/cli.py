@@ -90,7 +90,8 @@ def train_main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: monitor: {e}", file=sys.stderr)
         return EXIT_FAILED
     except Preempted as e:
-        print(f"train.py: preempted: checkpoint of step {e.step} written; run the same command to resume", file=sys.stderr)
+        where = f"the newest checkpoint is step {e.step}" if e.step is not None else "no checkpoint could be written"
+        print(f"train.py: preempted: {where}; run the same command to resume", file=sys.stderr)
         return EXIT_PREEMPTED
     return 0
 

@@ -53,10 +53,13 @@ class Monitor:
         self.cfg = cfg
         state = state or {}
         # (step, loss, grad norm) of the last `window` normal steps
-        self.window = deque((tuple(e) for e in state.get("window", [])), maxlen=cfg.window)
+        # room for the entries a host read ahead of the step that asks for limits (see limits())
+        self.window = deque((tuple(e) for e in state.get("window", [])), maxlen=cfg.window + 2)
         self.first_loss = state.get("first_loss")
         self.above_first = state.get("above_first", 0)
         self.nonfinite_run = state.get("nonfinite_run", 0)
+        self.spike_run = state.get("spike_run", 0)
+        self.diverged = state.get("diverged", False)
 
     def state(self) -> dict:
         """JSON-able; saved in checkpoints so a resumed run makes the same decisions."""
@@ -65,13 +68,19 @@ class Monitor:
             "first_loss": self.first_loss,
             "above_first": self.above_first,
             "nonfinite_run": self.nonfinite_run,
+            "spike_run": self.spike_run,
+            "diverged": self.diverged,
         }
 
     def _stats(self, up_to: int | None = None):
-        entries = [e for e in self.window if up_to is None or e[0] <= up_to]
-        if len(entries) < max(8, self.cfg.window // WARM_FRACTION):
+        entries = [e for e in self.window if up_to is None or e[0] <= up_to][-self.cfg.window :]
+        if len(entries) < self.warm_count:
             return None  # not warm yet
         return _mean_std([e[1] for e in entries]), _mean_std([e[2] for e in entries])
+
+    @property
+    def warm_count(self) -> int:
+        return max(8, self.cfg.window // WARM_FRACTION)
 
     def limits(self, up_to: int) -> tuple[float, float]:
         """(loss, grad norm) above which the jitted step drops an update; inf unless skipping.
@@ -85,9 +94,12 @@ class Monitor:
         k = self.cfg.threshold
         return lm + k * ls, gm + k * gs
 
-    def observe(self, step: int, loss: float, grad_norm: float) -> Anomaly | None:
+    def observe(self, step: int, loss: float, grad_norm: float, applied: bool = True) -> Anomaly | None:
         """Classify one step; normal steps enter the window, anomalies do not (a spike must not
-        widen the band that detects the next one)."""
+        widen the band that detects the next one). A step the jitted step did not apply counts as a
+        spike whatever its z-score. After `warm_count` spikes in a row the level itself has moved:
+        the window starts afresh (`level_shift`), so `skip` cannot freeze training and `log` does not
+        report every later step."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.nonfinite_run += 1
             return Anomaly("nonfinite", step, loss, grad_norm, math.nan, math.nan)
@@ -101,11 +113,18 @@ class Monitor:
             (lm, ls), (gm, gs) = stats
             loss_z = (loss - lm) / ls if ls > 0 else 0.0
             grad_z = (grad_norm - gm) / gs if gs > 0 else 0.0
-            if loss_z > self.cfg.threshold or grad_z > self.cfg.threshold:
-                return Anomaly("spike", step, loss, grad_norm, loss_z, grad_z)
-        self.window.append((step, loss, grad_norm))
-        if self.above_first == self.cfg.divergence_steps:  # reported once, when it becomes true
+        if self.above_first >= self.cfg.divergence_steps and not self.diverged:  # reported once
+            self.diverged = True
             return Anomaly("divergence", step, loss, grad_norm, loss_z, grad_z)
+        if not applied or (stats is not None and max(loss_z, grad_z) > self.cfg.threshold):
+            self.spike_run += 1
+            if self.spike_run >= self.warm_count:
+                self.window.clear()
+                self.spike_run = 0
+                return Anomaly("level_shift", step, loss, grad_norm, loss_z, grad_z)
+            return Anomaly("spike", step, loss, grad_norm, loss_z, grad_z)
+        self.spike_run = 0
+        self.window.append((step, loss, grad_norm))
         return None
 
 
@@ -151,10 +170,14 @@ class Recovery:
         return scale
 
     @classmethod
-    def replay(cls, events_path: Path) -> "Recovery":
+    def replay(cls, events_path: Path, resume_step: int = 0) -> "Recovery":
+        """The recovery state of a run resumed at `resume_step`. A fault counts as fired if it fired
+        before that step, or if a rollback recovered from it; one that fired after the checkpoint
+        and before any rollback (a kill in between) fires again, as it did in the first attempt."""
         recovery = cls()
         if not events_path.exists():
             return recovery
+        unresolved = {}
         for line in events_path.read_text().splitlines():
             try:
                 event = json.loads(line)
@@ -162,6 +185,11 @@ class Recovery:
                 continue  # a torn last line from a kill
             if event.get("event") == "rollback":
                 recovery.rollback(event["to_step"], event["skip_batches"], event["cooldown"], event["lr_factor"])
+                recovery.fired |= set(unresolved)
+                unresolved.clear()
             elif event.get("event") == "fault":
-                recovery.fired.add(event["fault"])
+                if event["step"] < resume_step:
+                    recovery.fired.add(event["fault"])
+                else:
+                    unresolved[event["fault"]] = event["step"]
         return recovery

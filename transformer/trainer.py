@@ -219,10 +219,10 @@ class RunResult:
 
 
 class Preempted(Exception):
-    """Raised after a preemption checkpoint was written; `step` is the step it holds."""
+    """Raised after a preemption; `step` is the newest checkpoint on disk (None: there is none)."""
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted at step {step}")
+    def __init__(self, step: int | None):
+        super().__init__(f"preempted; newest checkpoint: {step}")
         self.step = step
 
 
@@ -352,7 +352,7 @@ def train(
             f"mesh {dict(mesh.shape)}; peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})"
         )
     state = start if start is not None else trainer.init(jax.random.key(cfg.train.seed))
-    recovery = Recovery.replay(workdir / "events.jsonl") if workdir is not None else Recovery()
+    recovery = Recovery.replay(workdir / "events.jsonl", int(state.step)) if workdir is not None else Recovery()
     loop = _Loop(cfg, data, trainer, writer, checkpointer, recovery, Monitor(cfg.monitor, monitor_state))
     step = int(state.step)
     writer.event("start", step, devices=n_devices, mesh=dict(mesh.shape), peak_flops=peak)
@@ -361,13 +361,14 @@ def train(
     last_time, last_step, tokens_per_s, mfu, train_loss, val = time.perf_counter(), step, 0.0, 0.0, math.nan, {}
     saved = -1
     rollback_to = None
+    spike_batch = 0  # the data batch of the last spike that asked for a rollback
 
     def observe():
         """Read pending metrics: log them, and let the monitor judge them."""
         nonlocal last_time, last_step, tokens_per_s, mfu, train_loss, rollback_to
         for done, metrics in pending:
             values = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
-            anomaly = loop.monitor.observe(done, values["loss"], values["grad_norm"])
+            anomaly = loop.monitor.observe(done, values["loss"], values["grad_norm"], values.get("applied", 1.0) > 0)
             if anomaly is not None and rollback_to is None:
                 rollback_to = handle(anomaly, values)
             if done % cfg.logging.every and done != cfg.train.steps:
@@ -389,13 +390,17 @@ def train(
     def handle(anomaly, values) -> int | None:
         """Record an anomaly and act on it; returns the step to roll back to, if any."""
         action = cfg.monitor.on_spike if anomaly.kind == "spike" else "log"
-        if anomaly.kind == "nonfinite":
+        if anomaly.kind == "level_shift":
+            action = "new statistics window"
+        elif anomaly.kind == "nonfinite":
             action = "not applied"
         elif cfg.monitor.on_spike == "skip" and not values.get("applied", 1.0):
             action = "skipped"
         batch_index = recovery.batch_index(anomaly.step - 1)
         target = None
         if cfg.monitor.on_spike == "rollback" and anomaly.kind in ("spike", "nonfinite"):
+            nonlocal spike_batch
+            spike_batch = batch_index
             target = rollback_target(anomaly.step)
             action = "rollback" if target is not None else "rollback impossible: no checkpoint before it"
         writer.event(anomaly.kind, anomaly.step, loss=anomaly.loss, grad_norm=anomaly.grad_norm,
@@ -438,16 +443,30 @@ def train(
         checkpointer.save(done, state._asdict(), loop.meta(), val_loss, wait=wait)
         saved = done
 
+    def preempt(done, metrics):
+        """Stop for a signal: leave the newest good state on disk and say which step it is."""
+        nonlocal state
+        checkpoint(done, metrics, wait=True)
+        if rollback_to is not None:  # a spike surfaced while stopping: recover first
+            state, _ = rollback(rollback_to)
+        if checkpointer is not None:
+            checkpointer.wait()
+        on_disk = max(checkpointer.steps(), default=None) if checkpointer is not None else None
+        writer.event("preempted", done, signal=stop.requested, checkpoint=on_disk)
+        raise Preempted(on_disk)
+
     def rollback(to: int) -> tuple[TrainState, int]:
-        """Back to checkpoint `to`: later checkpoints are set aside, `skip_batches` batches skipped."""
+        """Back to checkpoint `to`: later checkpoints are set aside, `skip_batches` batches skipped
+        (more if that is what it takes to get past the batch of the spike)."""
         nonlocal rollback_to, saved, last_time, last_step
         checkpointer.wait()
-        checkpointer.set_aside([s for s in checkpointer.steps() if s > to], "rolledback")
         _, restored, meta = checkpointer.restore(trainer.abstract_state()._asdict(), step=to)
+        checkpointer.set_aside([s for s in checkpointer.steps() if s > to], "rolledback")
         m = cfg.monitor
-        writer.event("rollback", to, to_step=to, skip_batches=m.skip_batches, cooldown=m.cooldown,
+        skip = max(m.skip_batches, spike_batch - recovery.batch_index(to) + 1)
+        writer.event("rollback", to, to_step=to, skip_batches=skip, cooldown=m.cooldown,
                      lr_factor=m.lr_factor, rollbacks=recovery.rollbacks + 1)  # fmt: skip
-        recovery.rollback(to, m.skip_batches, m.cooldown, m.lr_factor)
+        recovery.rollback(to, skip, m.cooldown, m.lr_factor)
         loop.monitor = Monitor(m, meta.get("monitor"))
         pending.clear()
         rollback_to, saved, last_step, last_time = None, to, to, time.perf_counter()
@@ -480,11 +499,10 @@ def train(
                 state, step = rollback(rollback_to)
                 continue
             if evaluated is not None or done % cfg.checkpoint.every == 0:
-                last_time = time.perf_counter()  # evaluation and saving are not training time
+                observe()
+                last_time, last_step = time.perf_counter(), done  # evaluation and saving are not training time
             if stop is not None and not last and stop.should_stop(done):
-                checkpoint(done, metrics, wait=True)
-                writer.event("preempted", done, signal=stop.requested)
-                raise Preempted(done)
+                preempt(done, metrics)
             step = done
         observe()
         if checkpointer is not None:
@@ -572,6 +590,11 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
         if resuming:
             start, meta = _restore(Trainer(cfg, mesh), checkpointer, events.event)
             monitor_state = meta.get("monitor")
+            if int(start.step) >= cfg.train.steps:
+                raise ConfigError(
+                    "train.steps",
+                    f"{workdir} is already trained to step {int(start.step)}; raise train.steps to continue it",
+                )
             step = int(start.step)
             dropped = _truncate_metrics(workdir, step) if lead else 0
             events.event("resume", step, dropped_metrics=dropped)
