@@ -1,3 +1,4 @@
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -10,6 +11,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -44,3 +46,16 @@ def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
+
+
+def write_corpus(path: Path, seed: int, n: int = 300) -> Path:
+    """A small JSONL corpus of random-word documents that tokenises in a second."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(20, 80)))}) + "\n")
+    return path

@@ -18,19 +18,13 @@ from flax import nnx
 from transformer.checkpoint import CheckpointError, load
 from transformer.config import ConfigError, load_config
 from transformer.trainer import run
+from conftest import ROOT, write_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
-WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt-corpus") / "docs.jsonl"
-    rng = np.random.default_rng(1)
-    with open(path, "w") as f:
-        for i in range(300):
-            f.write(json.dumps({"text": f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(20, 80)))}) + "\n")
-    return path
+    return write_corpus(tmp_path_factory.mktemp("ckpt-corpus") / "docs.jsonl", seed=1)
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +57,15 @@ def losses(workdir: Path) -> dict[int, float]:
         record = json.loads(line)
         if "loss" in record:
             out[record["step"]] = record["loss"]
+    return out
+
+
+def val_losses(workdir: Path) -> dict[int, float]:
+    out = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "val_loss" in record:
+            out[record["step"]] = record["val_loss"]
     return out
 
 
@@ -272,11 +275,7 @@ def test_keep_latest_and_best(corpus, cache, tmp_path):
     # a learning rate high enough that the best validation loss comes early
     run_in_process(corpus, cache, workdir, "train.steps=60", "train.eval_every=10", "checkpoint.keep=2",
                    "checkpoint.keep_best=1", "optim.lr=0.2", "optim.clip_norm=null", "optim.schedule=constant")  # fmt: skip
-    val = {}
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "val_loss" in record:
-            val[record["step"]] = record["val_loss"]
+    val = val_losses(workdir)
     best = min(val, key=val.get)
     kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == sorted({50, 60, best})
@@ -289,10 +288,7 @@ def test_keep_latest_and_best(corpus, cache, tmp_path):
     reopened.close()
     run_in_process(corpus, cache, workdir, "train.steps=80", "train.eval_every=10", "checkpoint.keep=2",
                    "checkpoint.keep_best=1", "optim.lr=0.2", "optim.clip_norm=null", "optim.schedule=constant")  # fmt: skip
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "val_loss" in record:
-            val[record["step"]] = record["val_loss"]
+    val = val_losses(workdir)
     best = min(val, key=val.get)
     kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == sorted({70, 80, best})

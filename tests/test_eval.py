@@ -12,17 +12,8 @@ import pytest
 from transformer.cli import eval_main
 from transformer.config import load_config
 from transformer.trainer import run
+from conftest import ROOT, write_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
-WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
-
-
-def write_corpus(path: Path, seed: int, n: int = 300) -> Path:
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"text": f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(20, 80)))}) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")

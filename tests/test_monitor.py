@@ -18,19 +18,13 @@ from transformer.config import MonitorConfig, load_config
 from transformer.data import prepare
 from transformer.monitor import Monitor, MonitorStop, Recovery
 from transformer.trainer import Trainer, default_controls, run, with_vocab
+from conftest import ROOT, write_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
-WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("monitor-corpus") / "docs.jsonl"
-    rng = np.random.default_rng(3)
-    with open(path, "w") as f:
-        for i in range(400):
-            f.write(json.dumps({"text": f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(20, 80)))}) + "\n")
-    return path
+    return write_corpus(tmp_path_factory.mktemp("monitor-corpus") / "docs.jsonl", seed=3, n=400)
 
 
 def args(corpus, cache, *extra):

@@ -18,21 +18,13 @@ from transformer.config import ConfigError, OptimConfig, load_config
 from transformer.data import prepare
 from transformer.optim import decay_mask, schedule
 from transformer.trainer import cross_entropy, train, with_vocab
+from conftest import ROOT, write_corpus
 
-ROOT = Path(__file__).resolve().parent.parent
-WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    """A small JSONL corpus: 300 documents of random words (tokenises in a second)."""
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for i in range(300):
-            words = " ".join(rng.choice(WORDS, rng.integers(20, 80)))
-            f.write(json.dumps({"text": f"document {i}: {words}."}) + "\n")
-    return path
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "docs.jsonl", seed=0)
 
 
 def tiny_run(corpus: Path, cache: Path, *overrides: str):
