@@ -59,3 +59,19 @@ def write_corpus(path: Path, seed: int, n: int = 300) -> Path:
         for i in range(n):
             f.write(json.dumps({"text": f"doc {i}: " + " ".join(rng.choice(WORDS, rng.integers(20, 80)))}) + "\n")
     return path
+
+
+def logged(workdir: Path, key: str) -> dict[int, float]:
+    """{step: value} of one metric in a run's metrics.jsonl; the last line for a step wins (a rollback
+    logs the abandoned steps first)."""
+    out = {}
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if key in record:
+            out[record["step"]] = record[key]
+    return out
+
+
+def read_events(workdir: Path, kind: str | None = None) -> list[dict]:
+    records = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
+    return [e for e in records if kind is None or e["event"] == kind]

@@ -1,7 +1,6 @@
 """Checkpoints: exact resume (clean stop, SIGKILL, SIGTERM), reshard on restore, config changes on
 resume, damaged and unwritable directories, retention, and nothing non-finite saved."""
 
-import json
 import os
 import shutil
 import signal
@@ -18,7 +17,7 @@ from flax import nnx
 from transformer.checkpoint import CheckpointError, load
 from transformer.config import ConfigError, load_config
 from transformer.trainer import run
-from conftest import ROOT, write_corpus
+from conftest import ROOT, logged, read_events, write_corpus
 
 
 
@@ -52,25 +51,14 @@ def cli(*argv, env=None, **kw):
 
 
 def losses(workdir: Path) -> dict[int, float]:
-    out = {}
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
+    return logged(workdir, "loss")
 
 
 def val_losses(workdir: Path) -> dict[int, float]:
-    out = {}
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "val_loss" in record:
-            out[record["step"]] = record["val_loss"]
-    return out
+    return logged(workdir, "val_loss")
 
 
-def events(workdir: Path) -> list[dict]:
-    return [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
+events = read_events
 
 
 def final_params(workdir: Path, step=None):
@@ -271,27 +259,22 @@ def test_unwritable_checkpoint_directory(corpus, cache, straight, tmp_path):
 
 
 def test_keep_latest_and_best(corpus, cache, tmp_path):
-    workdir = tmp_path / "run"
-    # a learning rate high enough that the best validation loss comes early
-    run_in_process(corpus, cache, workdir, "train.steps=60", "train.eval_every=10", "checkpoint.keep=2",
-                   "checkpoint.keep_best=1", "optim.lr=0.2", "optim.clip_norm=null", "optim.schedule=constant")  # fmt: skip
-    val = val_losses(workdir)
-    best = min(val, key=val.get)
-    kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert kept == sorted({50, 60, best})
-    # a new process (a resumed run) still knows each checkpoint's validation loss, so it keeps the best
+    """Kept: the latest `keep` checkpoints plus the `keep_best` best by validation loss, also after a
+    resume (a new process must still know each kept checkpoint's validation loss)."""
     from transformer.checkpoint import Checkpointer
     from transformer.config import CheckpointConfig
 
-    reopened = Checkpointer(workdir, CheckpointConfig(), read_only=True)
-    assert {s: reopened.manager.metrics(s)["val_loss"] for s in kept} == pytest.approx({s: val[s] for s in kept})
-    reopened.close()
-    run_in_process(corpus, cache, workdir, "train.steps=80", "train.eval_every=10", "checkpoint.keep=2",
-                   "checkpoint.keep_best=1", "optim.lr=0.2", "optim.clip_norm=null", "optim.schedule=constant")  # fmt: skip
-    val = val_losses(workdir)
-    best = min(val, key=val.get)
-    kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert kept == sorted({70, 80, best})
+    workdir = tmp_path / "run"
+    policy = ("train.eval_every=10", "checkpoint.keep=2", "checkpoint.keep_best=1", "optim.lr=0.2",
+              "optim.clip_norm=null", "optim.schedule=constant")  # fmt: skip
+    for steps, latest in ((60, {50, 60}), (80, {70, 80})):
+        run_in_process(corpus, cache, workdir, f"train.steps={steps}", *policy)
+        val = val_losses(workdir)
+        kept = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+        assert kept == sorted(latest | {min(val, key=val.get)})
+        reopened = Checkpointer(workdir, CheckpointConfig(), read_only=True)
+        assert {s: reopened.manager.metrics(s)["val_loss"] for s in kept} == pytest.approx({s: val[s] for s in kept})
+        reopened.close()
 
 
 def test_resuming_a_finished_run_says_so(corpus, cache, straight, tmp_path):

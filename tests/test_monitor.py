@@ -18,7 +18,7 @@ from transformer.config import MonitorConfig, load_config
 from transformer.data import prepare
 from transformer.monitor import Monitor, MonitorStop, Recovery
 from transformer.trainer import Trainer, default_controls, run, with_vocab
-from conftest import ROOT, write_corpus
+from conftest import ROOT, logged, read_events, write_corpus
 
 
 
@@ -42,19 +42,11 @@ def train_run(corpus, cache, workdir, *extra):
     return workdir
 
 
-def events(workdir: Path, kind: str | None = None) -> list[dict]:
-    out = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
-    return [e for e in out if kind is None or e["event"] == kind]
+events = read_events
 
 
 def final_losses(workdir: Path) -> dict[int, float]:
-    """The last value logged for each step (a rollback logs the abandoned steps first)."""
-    out = {}
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
+    return logged(workdir, "loss")
 
 
 # --- the monitor on its own ----------------------------------------------------------------------
