@@ -114,6 +114,15 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def pick(self, step: int | None) -> int:
+        """`step` if it was kept, else the latest; a clear CheckpointError when there is none."""
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"{self.directory} holds no checkpoints")
+        if step is not None and step not in steps:
+            raise CheckpointError(f"step {step} was not kept in {self.directory.parent} (kept: {', '.join(map(str, steps))})")
+        return steps[-1] if step is None else step
+
     def save(self, step: int, state: dict, meta: dict, val_loss: float | None = None, wait: bool = False) -> None:
         ocp = _ocp()
         metrics = {"val_loss": float(val_loss)} if val_loss is not None and math.isfinite(val_loss) else None
@@ -229,14 +238,10 @@ def load(workdir: str | Path, step: int | None = None):
     params_shape = nnx.to_pure_dict(abstract_params)
     ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)
     try:
-        steps = ckpt.steps()
-        if not steps:
-            raise CheckpointError(f"{workdir} has no checkpoints")
-        if step is not None and step not in steps:
-            raise CheckpointError(f"step {step} was not kept in {workdir} (kept: {', '.join(map(str, steps))})")
+        step = ckpt.pick(step)
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params_shape)
-        params = ckpt.restore_params(step if step is not None else steps[-1], target)
+        params = ckpt.restore_params(step, target)
     finally:
         ckpt.close()
     return cfg, nnx.merge(graphdef, params)

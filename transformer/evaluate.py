@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax
 
 from transformer import sharding
-from transformer.checkpoint import CHECKPOINT_DIR, Checkpointer, read_run_config
+from transformer.checkpoint import Checkpointer, read_run_config
 from transformer.config import Config, ConfigError, apply_overrides, from_dict
 from transformer.data import Data, prepare
 from transformer.generate import SamplingConfig, generate
@@ -26,17 +25,8 @@ def restore_params(cfg: Config, workdir: Path, step: int | None, trainer: Traine
     """(step, parameters) of a kept checkpoint, placed on the trainer's mesh."""
     ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)
     try:
-        steps = ckpt.steps()
-        if not steps:
-            raise ConfigError("--workdir", f"{workdir / CHECKPOINT_DIR} holds no checkpoints")
-        if step is not None and step not in steps:
-            raise ConfigError("--step", f"step {step} was not kept in {workdir} (kept: {', '.join(map(str, steps))})")
-        step = steps[-1] if step is None else step
-        abstract = jax.eval_shape(trainer.init, jax.random.key(0)).params
-        target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, trainer.state_shardings.params
-        )
-        return step, ckpt.restore_params(step, target)
+        step = ckpt.pick(step)
+        return step, ckpt.restore_params(step, trainer.abstract_state().params)
     finally:
         ckpt.close()
 
@@ -82,11 +72,11 @@ def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: in
     from transformer.data import default_cache_dir, make_tokenizer
 
     cfg = run_config(workdir, [])
-    steps = Checkpointer(workdir, cfg.checkpoint, read_only=True).steps()
-    if not steps:
-        raise ConfigError("--workdir", f"{workdir / CHECKPOINT_DIR} holds no checkpoints")
-    if step is not None and step not in steps:
-        raise ConfigError("--step", f"step {step} was not kept in {workdir} (kept: {', '.join(map(str, steps))})")
+    ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)
+    try:
+        step = ckpt.pick(step)  # before any work: a missing step is a one-line error
+    finally:
+        ckpt.close()
     cache_dir = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else default_cache_dir()
     tokenizer = make_tokenizer(cfg.data, workdir, cache_dir)
     encoded = [list(ids) for ids in tokenizer.encode_batch(prompts)]
