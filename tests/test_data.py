@@ -827,3 +827,68 @@ def test_builtin_stdlib(stdlib_data):
     messages = []
     again = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
     assert not messages and again.cache_path == data.cache_path
+
+
+# --- builtin:recall ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", ["", "pairs=4,distance=20", "shuffle=1,pairs=6,distance=30", "pairs=26,distance=78"])
+def test_recall_answers_are_in_the_input_at_the_stated_distance(options):
+    from transformer.synthetic import KEYS, VALUES, RecallTask
+    from transformer.tokenizer import ByteTokenizer
+
+    task = RecallTask.parse(options)
+    docs = task.documents("val")
+    assert len(docs) == task.val_docs and docs == task.documents("val")  # deterministic
+    assert not set(docs) & set(task.documents("train")[:200])
+    tok = ByteTokenizer()
+    for doc in docs[:50]:
+        ids = tok.encode_batch([doc])[0]
+        assert len(ids) == len(doc) == task.doc_tokens  # one token per character: positions are token positions
+        pairs = [doc[3 * i : 3 * i + 2] for i in range(task.pairs)]
+        assert len({p[0] for p in pairs}) == task.pairs and all(p[0] in KEYS and p[1] in VALUES for p in pairs)
+        distances = []
+        for predicting, answer in task.answers(doc):
+            assert doc[predicting] == doc[answer - 1]  # the query names the key of that pair
+            assert doc[predicting + 1] == doc[answer]  # and its answer is that pair's value
+            assert ids[predicting + 1] == ids[answer]
+            distances.append(predicting - answer)
+        if task.shuffle:
+            assert min(distances) >= task.distance
+        else:
+            assert distances == [task.distance] * task.pairs
+        # nothing between the answer and the query repeats it as a pair: the answer is only reachable there
+        start = 3 * task.pairs + task.filler
+        assert set(doc[3 * task.pairs : start]) <= {"."}
+
+
+def test_recall_through_the_data_pipeline(tmp_path):
+    cfg = config("builtin:recall:pairs=4,distance=16,train_docs=300,val_docs=20", tmp_path / "cache", seq_len=32)
+    data = D.prepare(cfg, 4, 0, log=lambda _: None)
+    from transformer.synthetic import RecallTask
+
+    task = RecallTask(pairs=4, distance=16, train_docs=300, val_docs=20)
+    expected = "".join(d + "\x00" for d in task.documents("val"))  # each document followed by EOS
+    stream = np.asarray(data.val.tokens)
+    assert len(stream) == len(expected)
+    text = bytes(int(t) for t in stream if t < 256).decode()
+    assert text == "".join(task.documents("val"))
+
+
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("builtin:recal", "unknown builtin corpus"),
+        ("builtin:recall:pair=3", "unknown option 'pair=3'"),
+        ("builtin:recall:pairs=x", "pairs must be an integer"),
+        ("builtin:recall:pairs=8,distance=10", "distance must be >= 24"),
+        ("builtin:recall:pairs=27", "pairs must be between 1 and 26"),
+        ("builtin:stdlib:x", "takes no options"),
+    ],
+)
+def test_bad_builtin_sources_are_config_errors(source, words):
+    from transformer.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        DataConfig(source=source)
+    assert e.value.key == "source" and words in str(e.value), str(e.value)

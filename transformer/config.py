@@ -20,7 +20,10 @@ from typing import Any, Literal
 
 import yaml
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+from transformer.synthetic import RecallTask
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: configs/, train.py
+DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 
 # Sliding-window size given to "global" layers of a per-layer pattern inside the layer scan, where
 # the window is a traced value. Larger than any context this framework will see.
@@ -35,6 +38,7 @@ AttentionImpl = Literal["xla", "einsum", "cudnn"]
 LayerKind = Literal["local", "global"]
 Remat = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
+BUILTINS = ("stdlib", "recall")  # builtin:stdlib, the Python sources; builtin:recall[:opts], see synthetic.py
 
 
 class ConfigError(ValueError):
@@ -234,7 +238,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "builtin:stdlib"  # builtin:stdlib | hf:NAME[:CONFIG] | files:GLOB
+    source: str = "builtin:stdlib"  # builtin:stdlib | builtin:recall[:opts] | hf:NAME[:CONFIG] | files:GLOB
     tokenizer: str = "byte"  # byte | bpe | pretrained:PATH
     vocab_size: int = 4096  # for tokenizer=bpe
     seq_len: int = 256
@@ -256,6 +260,17 @@ class DataConfig:
             "source",
             f"must start with builtin:, hf: or files:, got {self.source!r}",
         )
+        kind, _, arg = self.source.partition(":")
+        if kind == "builtin":
+            corpus, _, options = arg.partition(":")
+            _check(corpus in BUILTINS, "source", f"unknown builtin corpus {arg!r} (builtin:{', builtin:'.join(BUILTINS)})")
+            if corpus == "recall":
+                try:
+                    RecallTask.parse(options)
+                except ValueError as e:
+                    raise ConfigError("source", f"{self.source}: {e}") from None
+            else:
+                _check(not options, "source", f"builtin:{corpus} takes no options, got {options!r}")
         _check(
             self.tokenizer in ("byte", "bpe") or self.tokenizer.startswith("pretrained:"),
             "tokenizer",
@@ -653,7 +668,49 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     return raw
 
 
+def load_raw(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A YAML run config as plain data: `base:` links followed and overrides applied, not validated."""
+    return apply_overrides(_read_yaml(Path(path) if path is not None else DEFAULT_CONFIG), overrides)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML run config (following `base:` links), apply `key.path=value` overrides, validate."""
-    raw = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG)
-    return from_dict(apply_overrides(raw, overrides))
+    return from_dict(load_raw(path, overrides))
+
+
+# --- comparing configs ----------------------------------------------------------------------------
+
+# Keys that may change when a run is resumed: they change how long it runs, what it logs and where
+# it runs, never the trajectory of the updates it has made so far.
+SAFE_ON_RESUME = (
+    "train.steps",
+    "train.eval_every",
+    "logging.",
+    "checkpoint.",
+    "mesh.",
+    "data.cache_dir",
+    "model.remat",
+    "model.scan_layers",
+)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'model': {'d_model': 64}} -> {'model.d_model': 64}"""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """(unsafe, safe) differences as 'key: old -> new' lines."""
+    a, b = flatten(old.to_dict()), flatten(new.to_dict())
+    unsafe, safe = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+            (safe if key.startswith(SAFE_ON_RESUME) else unsafe).append(line)
+    return unsafe, safe

@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from transformer.config import DataConfig
+from transformer.synthetic import RecallTask
 from transformer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_pretrained, train_bpe
 
 CACHE_VERSION = 1
@@ -72,6 +73,9 @@ def source_fingerprint(cfg: DataConfig) -> str:
     if kind == "builtin" and arg == "stdlib":
         root, files = _stdlib_files()
         return f"stdlib-{sys.version_info.major}.{sys.version_info.minor}-{_files_fingerprint(files, root)}"
+    if kind == "builtin" and arg.partition(":")[0] == "recall":
+        task = RecallTask.parse(arg.partition(":")[2])
+        return "recall-v1-" + "-".join(f"{k}{v}" for k, v in dataclasses.asdict(task).items())
     if kind == "files":
         path = Path(os.path.expanduser(arg))
         files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(arg)
@@ -80,7 +84,7 @@ def source_fingerprint(cfg: DataConfig) -> str:
         return f"files-{_files_fingerprint(files)}"
     if kind == "hf":
         return "hf-" + "-".join(ds._fingerprint for ds in load_splits(cfg).values())
-    raise DataError(f"data.source: unknown source {cfg.source!r} (builtin:stdlib, hf:NAME[:CONFIG], files:GLOB)")
+    raise DataError(f"data.source: unknown source {cfg.source!r} (builtin:stdlib, builtin:recall, hf:NAME[:CONFIG], files:GLOB)")
 
 
 def _first_line(e: Exception) -> str:
@@ -148,9 +152,15 @@ def _load_splits(cfg: DataConfig, fingerprint: str) -> dict:
     import datasets
 
     kind, _, arg = cfg.source.partition(":")
-    if kind == "builtin":
+    if kind == "builtin" and arg.partition(":")[0] == "recall":
+        task = RecallTask.parse(arg.partition(":")[2])
+        loaded = datasets.DatasetDict(
+            {split: datasets.Dataset.from_dict({cfg.text_field: task.documents(split)}) for split in ("train", "val")}
+        )
+        loaded = {cfg.train_split: loaded["train"], cfg.val_split: loaded["val"]}  # its own splits, whatever their names
+    elif kind == "builtin":
         if arg != "stdlib":
-            raise DataError(f"data.source: unknown builtin corpus {arg!r} (builtin:stdlib)")
+            raise DataError(f"data.source: unknown builtin corpus {arg!r} (builtin:stdlib, builtin:recall)")
         root, files = _stdlib_files()
         texts = [p.read_text("utf-8", errors="replace") for p in files]
         loaded = datasets.DatasetDict(
