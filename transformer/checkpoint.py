@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import yaml
@@ -23,43 +23,9 @@ from transformer.config import CheckpointConfig, Config, ConfigError, from_dict
 
 CHECKPOINT_DIR = "checkpoints"
 
-# Keys that may change when a run is resumed: they change how long it runs, what it logs and where
-# it runs, never the trajectory of the updates it has made so far.
-SAFE_ON_RESUME = (
-    "train.steps",
-    "train.eval_every",
-    "logging.",
-    "checkpoint.",
-    "mesh.",
-    "data.cache_dir",
-    "model.remat",
-    "model.scan_layers",
-)
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint problem that stops the run (exit 1): nothing valid to resume from, a failed save."""
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
-    """(unsafe, safe) differences as 'key: old -> new' lines."""
-    a, b = flatten(old.to_dict()), flatten(new.to_dict())
-    unsafe, safe = [], []
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key):
-            line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
-            (safe if key.startswith(SAFE_ON_RESUME) else unsafe).append(line)
-    return unsafe, safe
 
 
 def read_run_config(workdir: Path) -> Config:

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from transformer import sharding
-from transformer.config import Config, ConfigError
+from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data
 from transformer.metrics import Progress, RunWriter, device_peak_flops
 from transformer.model import Transformer
@@ -508,6 +508,9 @@ def train(
         if checkpointer is not None:
             checkpointer.wait()
         writer.event("end", cfg.train.steps, train_loss=train_loss, **val)
+    except MonitorStop as e:  # a result, not a crash: the sweep does not run it again, the report shows it
+        writer.event("stopped", step, reason=str(e))
+        raise
     finally:
         progress.close()
         writer.close()
@@ -553,7 +556,6 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
         CHECKPOINT_DIR,
         Checkpointer,
         check_writable,
-        config_changes,
         partial_writes,
         read_run_config,
     )
