@@ -75,3 +75,37 @@ def logged(workdir: Path, key: str) -> dict[int, float]:
 def read_events(workdir: Path, kind: str | None = None) -> list[dict]:
     records = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
     return [e for e in records if kind is None or e["event"] == kind]
+
+
+# A finished tiny sweep (Pre-LN and Post-LN over two learning rates) shared by the sweep, report and
+# notebook tests: it takes about a minute to run, so it runs once per session. Tests that use it
+# are grouped onto one xdist worker (`@pytest.mark.xdist_group("sweep")`, `--dist loadgroup`).
+TINY_SWEEP = {
+    "base": str(ROOT / "configs" / "default.yaml"),
+    "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2},
+    "data": {"source": "builtin:recall:train_docs=400,val_docs=40", "seq_len": 64, "val_windows": 4},
+    "train": {"steps": 12, "batch_size": 4, "eval_every": 6},
+    "optim": {"warmup_steps": 2},
+    "checkpoint": {"every": 6, "async": False},
+    "monitor": {"stats_every": 6},
+    "logging": {"every": 1, "progress": False, "tensorboard": False},
+    "sweep": {"grid": {"model.norm_position": ["pre", "post"], "optim.lr": [1e-3, 1e-2]}},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory) -> Path:
+    import subprocess
+    import sys
+
+    import yaml
+
+    workdir = tmp_path_factory.mktemp("tiny-sweep")
+    (workdir / "sweep.yaml").write_text(yaml.safe_dump(TINY_SWEEP))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), str(workdir / "sweep.yaml"), "--workdir", str(workdir), "--parallel", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return workdir

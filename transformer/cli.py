@@ -33,6 +33,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, values parsed as YAML")
     p.add_argument("--workdir", default=None, help="run directory (default: runs/<config>-<time>)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and model summary, then exit")
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="sweeps: run N members at once")
+    p.add_argument("--print-commands", action="store_true", help="sweeps: print each member's command, run none")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
@@ -55,13 +57,20 @@ def _distributed(args) -> None:
 def train_main(argv: list[str] | None = None) -> int:
     args = train_parser().parse_intermixed_args(argv)
     # A first positional with '=' is an override, not a file: `train.py model.window=64` works too.
-    if args.config is not None and "=" in args.config:
+    if args.config is not None and "=" in args.config and not Path(args.config).is_file():
         args.overrides.insert(0, args.config)
         args.config = None
+    from transformer.sweep import load_sweep
+
     try:
-        cfg = load_config(args.config, args.overrides)
+        sweep = load_sweep(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides) if sweep is None else None
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
+    if sweep is not None:
+        return _sweep_main(args, sweep)
+    if args.parallel != 1 or args.print_commands:
+        _fail("train.py", "--parallel and --print-commands are for sweep files (a config with a sweep: block)")
     if args.dry_run:
         from transformer.model.summary import summary_text
 
@@ -96,6 +105,31 @@ def train_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _sweep_main(args, sweep) -> int:
+    from transformer.sweep import SweepError, print_commands, run_sweep
+
+    if args.parallel < 1:
+        _fail("train.py", f"--parallel must be >= 1, got {args.parallel}")
+    if args.coordinator is not None or args.num_processes is not None:
+        _fail("train.py", "a sweep runs each member as its own process; hand --print-commands to your scheduler")
+    if args.dry_run:
+        from transformer.model.summary import count_params
+
+        for m in sweep.members:
+            values = ", ".join(f"{k}={v}" for k, v in {**m.labels, **m.values}.items())
+            print(f"{m.name}: {values or 'base config'}; seed {m.seed}; {count_params(m.config.model):,} parameters")
+        print(f"{len(sweep.members)} members")
+        return 0
+    workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem
+    try:
+        if args.print_commands:
+            print_commands(sweep, workdir)
+            return 0
+        return run_sweep(sweep, workdir, args.parallel)
+    except SweepError as e:
+        _fail("train.py", f"config: {e}")
+
+
 def _default_workdir(config: str | None) -> Path:
     name = Path(config).stem if config else "default"
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -104,7 +138,8 @@ def _default_workdir(config: str | None) -> Path:
 def eval_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="eval.py", description="Evaluate a run's checkpoint, or sample text from it.")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. data.source=files:other/*.txt")
-    p.add_argument("--workdir", required=True, help="the run directory")
+    p.add_argument("--workdir", default=None, help="the run directory")
+    p.add_argument("--compare", default=None, metavar="DIR", help="write DIR/report.md and report.html comparing the runs in DIR")
     p.add_argument("--step", type=int, default=None, help="a kept checkpoint step (default: the latest)")
     p.add_argument("--split", choices=("val", "train"), default="val")
     p.add_argument("--batches", type=int, default=None, help="evaluate at most this many batches")
@@ -119,10 +154,29 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _compare_main(directory: Path) -> int:
+    from transformer.report import write_report
+
+    if not directory.is_dir():
+        _fail("eval.py", f"--compare: {directory} is not a directory")
+    if not (directory / "sweep.json").is_file() and not any(directory.glob("*/config.yaml")):
+        _fail("eval.py", f"--compare: {directory} holds no sweep (sweep.json) and no runs (*/config.yaml)")
+    try:
+        path = write_report(directory)
+    except ConfigError as e:
+        _fail("eval.py", f"--compare: a run's config: {e}")
+    print(f"wrote {path} and {path.with_suffix('.html')}")
+    return 0
+
+
 def eval_main(argv: list[str] | None = None) -> int:
     import json
 
     args = eval_parser().parse_intermixed_args(argv)
+    if args.compare is not None:
+        return _compare_main(Path(args.compare))
+    if args.workdir is None:
+        _fail("eval.py", "give --workdir DIR (a run) or --compare DIR (a sweep or a directory of runs)")
     workdir = Path(args.workdir)
     prompts = list(args.generate)
     if args.prompts is not None:

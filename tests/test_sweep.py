@@ -1,0 +1,230 @@
+"""Sweep files: expansion (grid, zip, seeds, names), validation of every member before any runs,
+the command line, and re-running a half-finished sweep."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY_SWEEP, read_events
+from transformer.config import ConfigError, load_config, load_raw
+from transformer.sweep import DONE, SweepError, expand, member_status
+
+BASE = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4}, "train": {"steps": 10}}
+
+
+def sweep(spec: dict, base: dict = BASE, overrides=()):
+    return expand({**base, "sweep": spec}, "test.yaml", tuple(overrides))
+
+
+def test_grid_zip_and_seeds_expand_to_every_combination_with_unique_names():
+    s = sweep({
+        "grid": {"model.norm_position": ["pre", "post"], "optim.lr": [1e-3, 3e-3, 1e-2]},
+        "zip": [{"attention": ["mha", "mqa"], "model.n_kv_heads": [4, 1]}],
+        "seeds": [0, 1],
+    })  # fmt: skip
+    assert len(s.members) == 2 * 3 * 2 * 2
+    assert len({m.name for m in s.members}) == len(s.members)
+    assert s.keys == ("model.norm_position", "optim.lr", "attention", "model.n_kv_heads")
+    assert s.compare == "model.norm_position"  # the first varied key that is not the learning rate
+    seen = set()
+    for m in s.members:
+        cfg = m.config
+        assert cfg.model.norm_position == m.values["model.norm_position"]
+        assert cfg.optim.lr == m.values["optim.lr"]
+        assert cfg.model.n_kv_heads == {"mha": 4, "mqa": 1}[m.labels["attention"]]  # zipped, not crossed
+        assert cfg.train.seed == m.seed and m.name == f"{m.variant}-s{m.seed}"
+        assert cfg.model.d_model == 32 and cfg.train.steps == 10  # the base is shared
+        seen.add((cfg.model.norm_position, cfg.optim.lr, m.labels["attention"], m.seed))
+    assert len(seen) == 24
+    # members of a variant differ only in the seed
+    variants = {}
+    for m in s.members:
+        variants.setdefault(m.variant, set()).add(m.seed)
+    assert len(variants) == 12 and all(seeds == {0, 1} for seeds in variants.values())
+
+
+def test_name_template_nested_grid_and_any_config_key():
+    s = sweep({"grid": {"optim": {"lr": [1e-3, 1e-2]}}, "name": "lr{optim.lr:.0e}-d{model.d_model}"})
+    assert [m.name for m in s.members] == ["lr1e-03-d32", "lr1e-02-d32"]
+    assert s.keys == ("optim.lr",) and s.compare == "optim.lr"
+
+
+def test_names_are_safe_directory_names_without_equals_signs():
+    s = sweep({"grid": {"model.attention_pattern": [["local", "global"]], "model.window": [8], "data.source": ["builtin:recall"]}})
+    (name,) = [m.name for m in s.members]
+    assert "/" not in name and "=" not in name and ":" not in name, name
+
+
+def test_no_sweep_values_is_one_member():
+    s = sweep({"seeds": [3]})
+    assert [(m.name, m.seed) for m in s.members] == [("run-s3", 3)]
+
+
+@pytest.mark.parametrize(
+    "spec, key, words",
+    [
+        ({"gird": {}}, "sweep.gird", "did you mean sweep.grid"),
+        ({"grid": {"model.norm_postion": ["pre"]}}, "sweep.grid.model.norm_postion", "did you mean model.norm_position"),
+        ({"grid": {"optim.lr": []}}, "sweep.grid.optim.lr", "non-empty list"),
+        ({"grid": {"optim.lr": 1e-3}}, "sweep.grid.optim.lr", "non-empty list"),
+        ({"grid": {"train.seed": [0, 1]}}, "sweep.grid.train.seed", "sweep.seeds"),
+        ({"zip": [{"model.n_kv_heads": [4, 1], "model.window": [None]}]}, "sweep.zip[0]", "different lengths"),
+        ({"grid": {"optim.lr": [1e-3]}, "zip": [{"optim.lr": [1e-2]}]}, "sweep", "swept twice"),
+        ({"seeds": [0, 0]}, "sweep.seeds", "distinct integers"),
+        ({"grid": {"optim.lr": [1e-3, 1e-2]}, "name": "fixed"}, "sweep.name", "both named 'fixed'"),
+        ({"grid": {"optim.lr": [1e-3]}, "name": "{optim.lr}-{seed}"}, "sweep.name", "leave {seed} out"),
+        ({"grid": {"optim.lr": [1e-3]}, "name": "{optim.rate}"}, "sweep.name", "neither a config key"),
+        ({"grid": {"optim.lr": [1e-3]}, "compare": "model.ffn"}, "sweep.compare", "not a swept key"),
+        ({"zip": [{"which": ["members"]}]}, "sweep.name", "reserved"),
+    ],
+)
+def test_sweep_mistakes_name_the_key(spec, key, words):
+    with pytest.raises(SweepError) as e:
+        sweep(spec)
+    assert e.value.key == key and words in str(e.value), str(e.value)
+
+
+def test_an_invalid_member_is_refused_naming_the_member_and_the_key():
+    with pytest.raises(ConfigError) as e:
+        sweep({"grid": {"model.n_kv_heads": [4, 2, 3]}})  # 4 heads are not a multiple of 3 kv heads
+    assert e.value.key == "model.n_kv_heads"
+    assert "n_kv_heads-3" in str(e.value) and "sweep member" in str(e.value)
+
+
+def test_overriding_a_swept_key_is_refused_other_overrides_apply_to_every_member(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}}}))
+    with pytest.raises(SweepError, match="is swept"):
+        expand(load_raw(path, ["optim.lr=0.1"]), str(path), ("optim.lr=0.1",))
+    s = expand(load_raw(path, ["train.steps=7", "sweep.seeds=[1, 2]"]), str(path))
+    assert len(s.members) == 4 and {m.config.train.steps for m in s.members} == {7}
+    assert {m.seed for m in s.members} == {1, 2}
+
+
+def test_builtin_studies_expand_and_validate():
+    """Every shipped study is a valid sweep (all members validated), small enough to run on a CPU."""
+    studies = sorted((ROOT / "configs" / "ablations").glob("*.yaml"))
+    assert {p.stem for p in studies} >= {"norm_placement", "attention", "ffn", "positions"}
+    for path in studies:
+        s = expand(load_raw(path), str(path))
+        assert len(s.members) >= 2, path
+        for m in s.members:
+            assert m.config.train.steps * m.config.train.batch_size * m.config.data.seq_len <= 2_000_000, m.name
+
+
+def test_norm_placement_study_covers_the_issue_grid():
+    s = expand(load_raw(ROOT / "configs/ablations/norm_placement.yaml"))
+    values = {k: {repr(m.values[k]) for m in s.members} for k in s.keys}
+    assert values["model.norm_position"] == {"'pre'", "'post'", "'sandwich'", "'deepnorm'"}
+    assert len(values["optim.lr"]) >= 3 and len(values["model.n_layers"]) == 2
+    assert any("0" == v for v in values["optim.warmup_steps"]) and len(values["optim.warmup_steps"]) == 2
+    assert s.compare == "model.norm_position"
+
+
+def test_attention_study_window_cannot_reach_the_recall_answers():
+    """The sliding-window member's receptive field, L·(window-1), is shorter than the recall distance."""
+    from transformer.synthetic import RecallTask
+
+    s = expand(load_raw(ROOT / "configs/ablations/attention.yaml"))
+    windowed = [m for m in s.members if m.config.model.window and m.config.data.source.startswith("builtin:recall")]
+    assert windowed
+    for m in windowed:
+        task = RecallTask.parse(m.config.data.source.partition("recall")[2].lstrip(":"))
+        assert m.config.model.n_layers * (m.config.model.window - 1) < task.distance
+        assert task.doc_tokens + 1 <= m.config.data.seq_len
+
+
+# --- the command line and running ------------------------------------------------------------------
+
+
+def _train(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+TINY = {k: v for k, v in TINY_SWEEP.items() if k != "sweep"}
+
+
+def test_cli_refuses_an_invalid_member_before_running_any(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "sweep": {"grid": {"model.n_kv_heads": [2, 3]}}}))
+    out = _train(path, "--workdir", tmp_path / "runs")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.n_kv_heads" in lines[0] and "n_kv_heads-3" in lines[0], out.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was started or written
+
+
+def test_cli_print_commands_and_dry_run(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}, "seeds": [0, 1]}}))
+    dry = _train(path, "--dry-run")
+    assert dry.returncode == 0 and dry.stdout.strip().endswith("4 members"), dry.stderr
+    out = _train(path, "--workdir", tmp_path / "runs", "--print-commands")
+    assert out.returncode == 0, out.stderr
+    commands = [line.split() for line in out.stdout.splitlines() if not line.startswith("#")]
+    assert len(commands) == 4
+    for cmd in commands:  # self-contained: a resolved member config and its own run directory
+        assert cmd[0] == "python" and cmd[1] == "train.py" and cmd[3] == "--workdir"
+        cfg = load_config(cmd[2])
+        assert cfg.optim.lr in (1e-3, 1e-2) and cfg.train.seed in (0, 1)
+    assert not any((tmp_path / "runs").glob("*/config.yaml"))  # nothing ran
+    assert _train(path, "--parallel", "0").returncode == 2
+    assert _train(TINY["base"], "--parallel", "2").returncode == 2  # not a sweep file
+
+
+def test_member_status_reads_the_events(tmp_path):
+    assert member_status(tmp_path / "none") == "pending"
+    events = tmp_path / "events.jsonl"
+    events.write_text('{"event": "start", "step": 0}\n')
+    assert member_status(tmp_path) == "interrupted"
+    events.write_text('{"event": "start", "step": 0}\n{"event": "end", "step": 9}\n{"event": "start", "st')
+    assert member_status(tmp_path) == "finished"  # a torn last line is ignored
+    events.write_text('{"event": "start", "step": 0}\n{"event": "stopped", "step": 4}\n')
+    assert member_status(tmp_path) == "stopped" and "stopped" in DONE
+
+
+@pytest.mark.xdist_group("sweep")
+def test_rerunning_a_half_finished_sweep_runs_only_the_unfinished_members(tiny_sweep, tmp_path):
+    """One member finished, one interrupted after its first checkpoint, one never started: the rerun
+    leaves the first alone, resumes the second from its checkpoint, and runs the third."""
+    workdir = tmp_path / "sweep"
+    shutil.copytree(tiny_sweep, workdir)
+    names = json.loads((workdir / "sweep.json").read_text())["members"]
+    finished, interrupted, fresh = (workdir / m["name"] for m in names[:3])
+    untouched = (finished / "events.jsonl").read_text()
+    # interrupted: as if killed after the step-6 checkpoint
+    shutil.rmtree(interrupted / "checkpoints" / "12")
+    lines = (interrupted / "events.jsonl").read_text().splitlines()
+    (interrupted / "events.jsonl").write_text("\n".join(line for line in lines if '"end"' not in line) + "\n")
+    shutil.rmtree(fresh)
+    shutil.rmtree(workdir / "plots")
+    (workdir / "report.md").unlink()
+
+    out = _train(workdir / "sweep.yaml", "--workdir", workdir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 already done, 2 to run" in out.stdout, out.stdout
+    assert (finished / "events.jsonl").read_text() == untouched
+    assert [e["step"] for e in read_events(interrupted, "resume")] == [6]
+    assert read_events(interrupted, "end") and read_events(fresh, "end")
+    assert len(read_events(fresh, "start")) == 1
+    assert (workdir / "report.md").is_file() and (workdir / "plots" / "loss.png").is_file()
+
+    again = _train(workdir / "sweep.yaml", "--workdir", workdir)  # all done: nothing runs, report rewritten
+    assert again.returncode == 0 and "3 already done, 0 to run" in again.stdout, again.stdout
+
+
+def test_a_member_with_another_config_in_its_directory_is_refused(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "sweep": {"grid": {"optim.lr": [1e-3]}}}))
+    member = tmp_path / "runs" / "lr-0.001"
+    member.mkdir(parents=True)
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({**TINY, "model": {**TINY["model"], "d_model": 64}}))
+    (member / "config.yaml").write_text(load_config(other).to_yaml())
+    out = _train(path, "--workdir", tmp_path / "runs")
+    assert out.returncode == 2 and "lr-0.001" in out.stderr and "model.d_model" in out.stderr, out.stderr
+    assert not (member / "events.jsonl").exists()  # refused before anything ran
