@@ -1,0 +1,197 @@
+"""Comparison reports: the numbers are the runs' own, the LR sensitivity and the verdict follow
+their definitions, the plots are real PNGs, and `eval.py --compare` writes it all."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, logged, read_events
+from transformer.config import from_dict
+from transformer.report import build, lr_sensitivity, mean_std, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# --- hand-made runs --------------------------------------------------------------------------------
+
+
+def fake_run(directory, name, *, norm="pre", lr=1e-3, seed=0, losses, val=(), events=(), stats=None, batch=4):
+    """A run directory as the trainer writes it: config.yaml, metrics.jsonl, events.jsonl."""
+    run = directory / name
+    run.mkdir(parents=True)
+    cfg = from_dict({"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "norm_position": norm},
+                     "optim": {"lr": lr}, "train": {"seed": seed, "batch_size": batch, "steps": len(losses)},
+                     "data": {"seq_len": 8}})  # fmt: skip
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    with open(run / "metrics.jsonl", "w") as f:
+        for step, loss in enumerate(losses, 1):
+            loss = loss if math.isfinite(loss) else str(loss)  # as the trainer writes non-finite values
+            f.write(json.dumps({"step": step, "loss": loss, "grad_norm": 1.0 + step / 100, "tokens_per_s": 1000.0 + step}) + "\n")
+            if step in dict(val):
+                f.write(json.dumps({"step": step, "val_loss": dict(val)[step], "val_bits_per_byte": dict(val)[step] / math.log(2)}) + "\n")
+            if stats and step % 2 == 0:
+                f.write(json.dumps({"step": step, "attn_logit_max": [step, 2 * step], "residual_rms": [1.0, 2.0],
+                                    "attn_entropy": [0.5, 0.4]}) + "\n")  # fmt: skip
+    with open(run / "events.jsonl", "w") as f:
+        f.write(json.dumps({"event": "start", "step": 0}) + "\n")
+        for kind, step in events:
+            f.write(json.dumps({"event": kind, "step": step}) + "\n")
+        if not any(kind == "stopped" for kind, _ in events):
+            f.write(json.dumps({"event": "end", "step": len(losses)}) + "\n")
+    return run
+
+
+def sweep_dir(directory, runs: dict[str, dict]):
+    members = [{"name": n, "variant": n.rsplit("-s", 1)[0], "seed": r["seed"],
+                "values": {"model.norm_position": r["norm"], "optim.lr": r["lr"]}, "labels": {}} for n, r in runs.items()]  # fmt: skip
+    manifest = {"source": "x.yaml", "keys": ["model.norm_position", "optim.lr"], "compare": "model.norm_position",
+                "members": members}  # fmt: skip
+    (directory / "sweep.json").write_text(json.dumps(manifest))
+
+
+def test_lr_sensitivity_on_hand_made_curves():
+    # grid of 4 learning rates; initial losses 5; the third diverged (nan), the fourth ended above its initial loss
+    losses, initial = [3.0, 2.0, math.nan, 6.0], [5.0, 5.0, 5.0, 5.0]
+    # capped: 3, 2, 5, 5 -> mean 3.75, best 2
+    assert lr_sensitivity(losses, initial) == pytest.approx(1.75)
+    assert lr_sensitivity([2.0, 2.0], [5.0, 5.0]) == 0.0  # flat in the learning rate: perfectly insensitive
+    assert lr_sensitivity([math.inf, math.nan], [5.0, 4.0]) == pytest.approx(0.5)  # all diverged: capped at initial
+
+
+def test_mean_std_over_seeds():
+    assert mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+    assert mean_std([1.0]) == (1.0, None)
+    assert mean_std([1.0, math.nan, 3.0])[0] == 2.0
+    assert math.isnan(mean_std([])[0])
+
+
+def test_report_numbers_equal_the_runs_own_metrics(tmp_path):
+    losses = list(np.linspace(5.0, 1.5, 30))
+    a = fake_run(tmp_path, "pre-s0", losses=losses, val=[(15, 2.2), (30, 1.6)],
+                 events=[("spike", 3), ("spike", 7), ("rollback", 2), ("level_shift", 8)], stats=True)  # fmt: skip
+    fake_run(tmp_path, "pre-s1", seed=1, losses=list(np.linspace(5.0, 1.4, 30)), val=[(30, 1.5)])
+    # a shorter run sets the common token budget: 20 steps x 4 rows x 8 tokens = 640
+    fake_run(tmp_path, "post-s0", norm="post", losses=[5.0, 4.0, 9.0, math.nan] + [8.0] * 16, events=[("divergence", 4)])
+    report = build(tmp_path)
+    s = report.summaries["pre-s0"]
+    loss = logged(a, "loss")
+    assert s.final_train_loss == loss[30]
+    assert s.initial_loss == loss[1]
+    assert s.best_val_loss == min(logged(a, "val_loss").values()) == 1.6
+    assert s.best_val_bpb == pytest.approx(1.6 / math.log(2))
+    assert s.spikes == len(read_events(a, "spike")) == 2  # level shifts are not spikes
+    assert s.rollbacks == 1
+    assert s.max_grad_norm == max(logged(a, "grad_norm").values())
+    assert s.max_attn_logit == 60  # the largest per-layer value over all statistics steps
+    assert s.tokens_per_s == np.median(list(logged(a, "tokens_per_s").values()))
+    assert not s.diverged and s.status == "finished"
+    # the last 10% of the budget, tokens in (576, 640], holds steps 19 and 20
+    assert report.budget == 640
+    assert s.loss_at_budget == pytest.approx((loss[19] + loss[20]) / 2)
+    post = report.summaries["post-s0"]
+    assert post.diverged and post.loss_at_budget == 8.0
+    # seeds aggregate into one row per variant: the report groups by the varied keys
+    assert report.keys == ["model.norm_position"]
+    assert set(report.variants) == {"norm_position=pre", "norm_position=post"}
+    mean, std = report.aggregate("final_train_loss")["norm_position=pre"]
+    assert mean == pytest.approx(1.45) and std == pytest.approx(np.std([1.5, 1.4], ddof=1))
+
+
+def test_report_files_plots_and_verdict_on_a_sweep(tmp_path):
+    """Post-LN fails at the higher learning rates in every seed: the verdict says Pre-LN, with the
+    paired evidence; the plots are PNGs that decode to non-empty images."""
+    runs = {}
+    for seed in (0, 1, 2):
+        for lr in (1e-3, 1e-2, 1e-1):
+            runs[f"pre,lr-{lr:g}-s{seed}"] = dict(norm="pre", lr=lr, seed=seed)
+            runs[f"post,lr-{lr:g}-s{seed}"] = dict(norm="post", lr=lr, seed=seed)
+    for name, r in runs.items():
+        bad = r["norm"] == "post" and r["lr"] >= 1e-2
+        final = 2.0 + 0.1 * r["seed"] + (4.0 if bad else 0.0) + (0.3 if r["lr"] == 1e-3 else 0.0)
+        fake_run(tmp_path, name, norm=r["norm"], lr=r["lr"], seed=r["seed"], losses=list(np.linspace(5.0, final, 8)),
+                 val=[(8, final)], stats=True, events=[("spike", 3)] if bad else [])  # fmt: skip
+    sweep_dir(tmp_path, runs)
+    path = write_report(tmp_path, log=lambda _: None)
+    report = build(tmp_path)
+    sens = report.sensitivities()
+    # pre: capped finals 2.3+s, 2+s, 2+s -> sensitivity 0.1; post: 2.3+s, 5 (capped), 5 -> 2.1 - ... exact values:
+    for seed in (0, 1, 2):
+        assert sens[("pre",)][seed] == pytest.approx(lr_sensitivity([2.3 + 0.1 * seed, 2 + 0.1 * seed, 2 + 0.1 * seed], [5.0] * 3))
+        assert sens[("post",)][seed] == pytest.approx(lr_sensitivity([2.3 + 0.1 * seed, 5.0, 5.0], [5.0] * 3))
+    verdict = report.verdict()
+    assert verdict.startswith("pre was more stable than post") and "all 3 paired settings" in verdict, verdict
+    md = path.read_text()
+    assert verdict in md and "| norm_position | lr | seeds |" in md
+    html = (tmp_path / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 4  # loss, grad norm, val loss, layers, lr
+    from matplotlib.image import imread
+
+    for name in ("loss", "grad_norm", "layers", "lr"):
+        png = tmp_path / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG
+        image = imread(png)
+        assert image.shape[0] > 100 and image.shape[1] > 100 and image[..., :3].std() > 0.01  # not blank
+
+
+def test_verdict_is_only_as_strong_as_the_seeds_allow(tmp_path):
+    runs = {}
+    for norm, finals in (("pre", [2.0, 2.0]), ("post", [2.0, 2.2])):
+        for lr, final in zip((1e-3, 1e-2), finals):
+            runs[f"{norm},lr-{lr:g}-s0"] = dict(norm=norm, lr=lr, seed=0)
+            fake_run(tmp_path, f"{norm},lr-{lr:g}-s0", norm=norm, lr=lr, losses=[5.0, final], val=[(2, final)])
+    sweep_dir(tmp_path, runs)
+    verdict = build(tmp_path).verdict()
+    assert verdict.startswith("Weak evidence: pre") and "repeat over seeds" in verdict, verdict
+
+
+def test_verdict_without_lr_grid_counts_spikes_and_divergence(tmp_path):
+    fake_run(tmp_path, "a", norm="pre", losses=[5.0, 2.0])
+    fake_run(tmp_path, "b", norm="post", losses=[5.0, 6.0], events=[("spike", 1), ("divergence", 2)])
+    report = build(tmp_path)  # no sweep.json: the varied key is found from the configs
+    assert report.keys == ["model.norm_position"]
+    verdict = report.verdict()
+    assert "pre was more stable than post" in verdict and verdict.startswith("Weak evidence"), verdict
+
+
+def test_eval_compare_cli(tiny_sweep_or_fake):
+    out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--compare", str(tiny_sweep_or_fake)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "| norm_position |" in out.stdout and "verdict:" in out.stdout
+    assert (tiny_sweep_or_fake / "report.html").is_file()
+
+
+@pytest.fixture
+def tiny_sweep_or_fake(tmp_path):
+    fake_run(tmp_path, "a", norm="pre", losses=[5.0, 2.0], val=[(2, 2.1)])
+    fake_run(tmp_path, "b", norm="post", losses=[5.0, 3.0], val=[(2, 3.1)])
+    return tmp_path
+
+
+def test_eval_compare_refuses_a_directory_without_runs(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--compare", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "no runs" in out.stderr
+
+
+@pytest.mark.xdist_group("sweep")
+def test_report_of_a_real_sweep_matches_its_runs(tiny_sweep):
+    """On runs the trainer wrote: every row's numbers are those of its metrics.jsonl."""
+    report = build(tiny_sweep)
+    assert len(report.runs) == 4 and all(s.status == "finished" for s in report.summaries.values())
+    for run in report.runs:
+        s = report.summaries[run.name]
+        loss = logged(tiny_sweep / run.name, "loss")
+        assert s.final_train_loss == loss[max(loss)]
+        assert s.best_val_loss == min(logged(tiny_sweep / run.name, "val_loss").values())
+        end = read_events(tiny_sweep / run.name, "end")[-1]
+        assert s.final_val_loss == pytest.approx(end["val_loss"])
+        assert math.isfinite(s.max_attn_logit) and s.params > 0
+    md = (tiny_sweep / "report.md").read_text()
+    for run in report.runs:
+        assert f"{report.summaries[run.name].final_train_loss:.4f}" in md
+    for name in ("loss", "grad_norm", "val_loss", "layers", "lr"):
+        assert (tiny_sweep / "plots" / f"{name}.png").read_bytes()[:8] == PNG

@@ -1,0 +1,156 @@
+"""The report's figures, drawn from a `report.Report`. Each function returns a matplotlib Figure
+(the object API, no pyplot state), so the report saves them as PNGs and a notebook displays them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from transformer.report import LR_KEY, Report, _text
+
+FACET_ABOVE = 8  # more variants than this: one panel per level of the compared key
+
+
+def _colors(n: int) -> list:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def _panels(report: Report) -> list[tuple[str, list[str]]]:
+    """(title, variants) per panel: one panel, or one per level of the compared key."""
+    variants = list(report.variants)
+    levels: dict[str, list[str]] = {}
+    for v, runs in report.variants.items():
+        levels.setdefault(_text(runs[0].values.get(report.compare)), []).append(v)
+    if len(variants) <= FACET_ABOVE or len(levels) < 2:
+        return [("", variants)]
+    return [(f"{report.compare} = {level}", vs) for level, vs in levels.items()]
+
+
+def _grid(n: int, width: float = 5.5, height: float = 3.8) -> tuple[Figure, list]:
+    cols = min(n, 2)
+    rows = math.ceil(n / cols)
+    fig = Figure(figsize=(width * cols + 2.5, height * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel().tolist()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def _smooth(y: np.ndarray, alpha: float = 0.1) -> np.ndarray:
+    """Exponential moving average, so that variants' curves can be told apart through the noise."""
+    out, level = np.empty_like(y), None
+    for i, v in enumerate(y):
+        level = v if level is None or not np.isfinite(level) else (1 - alpha) * level + alpha * v
+        out[i] = level
+    return out
+
+
+def curves(report: Report, key: str, ylabel: str, log_y: bool = False, smooth: bool = True) -> Figure:
+    """`key` against tokens trained, one colour per variant, one line per seed."""
+    panels = _panels(report)
+    fig, axes = _grid(len(panels))
+    for ax, (title, variants) in zip(axes, panels):
+        for color, variant in zip(_colors(len(variants)), variants):
+            for i, run in enumerate(report.variants[variant]):
+                steps, y = run.curve(key)
+                if not len(steps):
+                    continue
+                ax.plot(steps * run.tokens_per_step, _smooth(y) if smooth else y, color=color, lw=1.0, alpha=0.85,
+                        label=variant if i == 0 else None)  # fmt: skip
+        if report.budget:
+            ax.axvline(report.budget, color="0.6", lw=0.8, ls=":")
+        ax.set(title=title, xlabel="tokens", ylabel=ylabel)
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper right")
+    return fig
+
+
+def per_layer(report: Report) -> Figure | None:
+    """Residual RMS and attention entropy per layer at the last statistics step (mean over seeds)."""
+    keys = [("residual_rms", "residual RMS"), ("attn_entropy", "attention entropy (nats)")]
+    if not any(r.last_list(k) for r in report.runs for k, _ in keys):
+        return None
+    fig, axes = _grid(2, width=5.0)
+    variants = list(report.variants)
+    for ax, (key, label) in zip(axes, keys):
+        for color, variant in zip(_colors(len(variants)), variants):
+            lists = [x for x in (r.last_list(key) for r in report.variants[variant]) if x]
+            if not lists or len({len(x) for x in lists}) != 1:
+                continue
+            mean = np.nanmean(np.array(lists), axis=0)
+            ax.plot(np.arange(len(mean)), mean, marker="o", ms=3, color=color, label=variant)
+        ax.set(xlabel="layer", ylabel=label, title=f"{label} at the end")
+        ax.grid(alpha=0.3)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
+    return fig
+
+
+def loss_vs_lr(report: Report) -> Figure | None:
+    """Final loss (capped at the initial loss, as in the LR sensitivity) against the learning rate,
+    one line per setting of the other varied keys; crosses mark diverged runs."""
+    if LR_KEY not in report.keys:
+        return None
+    others = [k for k in report.keys if k != LR_KEY]
+    lines: dict[str, dict[float, list[tuple[float, bool]]]] = {}
+    for run in report.runs:
+        s = report.summaries[run.name]
+        if s.status not in ("finished", "stopped"):
+            continue
+        final = report._final_loss(run)
+        capped = min(final, s.initial_loss) if math.isfinite(final) else s.initial_loss
+        label = ",".join(_text(run.values.get(k)) for k in others) or "all"
+        lines.setdefault(label, {}).setdefault(float(run.values[LR_KEY]), []).append((capped, s.diverged))
+    if not lines:
+        return None
+    fig, (ax,) = _grid(1, width=7.0, height=4.5)
+    for color, (label, points) in zip(_colors(len(lines)), lines.items()):
+        lrs = sorted(points)
+        mean = [np.mean([p[0] for p in points[lr]]) for lr in lrs]
+        err = [np.std([p[0] for p in points[lr]], ddof=1) if len(points[lr]) > 1 else 0 for lr in lrs]
+        ax.errorbar(lrs, mean, yerr=err, color=color, marker="o", ms=3, capsize=2, label=label)
+        bad = [(lr, m) for lr, m in zip(lrs, mean) if any(d for _, d in points[lr])]
+        if bad:
+            ax.scatter(*zip(*bad), marker="x", s=60, color=color, zorder=3)
+    ax.set_xscale("log")
+    ax.set(xlabel="learning rate", ylabel="final loss (capped at initial)", title="loss against learning rate (x: diverged)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, title=", ".join(k.rsplit(".", 1)[-1] for k in others) or None, title_fontsize=7)
+    return fig
+
+
+def figures(report: Report) -> list[tuple[str, str, Figure]]:
+    """(title, file stem, figure) for every plot the data supports."""
+    out = [
+        ("training loss (EMA) against tokens", "loss", curves(report, "loss", "train loss (nats)")),
+        ("gradient norm against tokens", "grad_norm", curves(report, "grad_norm", "gradient norm", log_y=True, smooth=False)),
+    ]
+    val = curves(report, "val_loss", "validation loss (nats)", smooth=False) if any(r.curve("val_loss")[0].size for r in report.runs) else None
+    for title, stem, fig in (
+        ("validation loss against tokens", "val_loss", val),
+        ("per-layer statistics at the end", "layers", per_layer(report)),
+        ("loss against learning rate", "lr", loss_vs_lr(report)),
+    ):
+        if fig is not None:
+            out.append((title, stem, fig))
+    return out
+
+
+def plot_all(report: Report, directory: Path) -> list[tuple[str, Path]]:
+    directory.mkdir(parents=True, exist_ok=True)
+    saved = []
+    for title, stem, fig in figures(report):
+        path = directory / f"{stem}.png"
+        fig.savefig(path, dpi=110)
+        saved.append((title, path))
+    return saved
+
