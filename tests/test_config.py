@@ -413,4 +413,11 @@ def test_shipped_configs_are_found():
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=[str(p.relative_to(ROOT)) for p in SHIPPED_CONFIGS])
 def test_shipped_config_loads(path):
-    assert isinstance(load(path=path), Config)
+    from transformer.config import load_raw
+    from transformer.sweep import expand
+
+    raw = load_raw(path)
+    if "sweep" in raw:  # a study: every member is a valid config
+        assert all(isinstance(m.config, Config) for m in expand(raw, str(path)).members)
+    else:
+        assert isinstance(load(path=path), Config)

@@ -763,11 +763,6 @@ def test_unreadable_or_mixed_files(tmp_path):
     assert message.startswith("data.source:") and ".docx" in message
 
 
-def test_an_unknown_builtin_corpus(tmp_path):
-    message = one_line_error(D.prepare, config("builtin:nothing", tmp_path / "cache"), 4, 0, log=quiet())
-    assert message.startswith("data.source:") and "builtin:stdlib" in message
-
-
 def test_a_hub_dataset_while_offline(tmp_path):
     script = textwrap.dedent(
         """

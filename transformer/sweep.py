@@ -152,7 +152,10 @@ def _render(template: str, lookup: Callable[[str], Any]) -> str:
     def one(match: re.Match) -> str:
         key, fmt = match.group(1), match.group(2)
         value = lookup(key)
-        return format(value, fmt) if fmt else _text(value)
+        try:
+            return format(value, fmt) if fmt else _text(value)
+        except (ValueError, TypeError) as e:
+            raise SweepError("sweep.name", f"cannot format {{{key}:{fmt}}} with {value!r}: {e}") from None
 
     return re.sub(r"\{([A-Za-z_][\w.]*)(?::([^}]*))?\}", one, template)
 
@@ -185,12 +188,11 @@ def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = (
     template = spec.get("name")
     if template is not None and not isinstance(template, str):
         raise SweepError("sweep.name", f"expected a template string such as '{{model.norm_position}}', got {template!r}")
-    compare = spec.get("compare", next((k for k in keys if k != "optim.lr"), keys[0] if keys else ""))
-    if keys and compare not in keys:
-        raise SweepError("sweep.compare", f"{compare!r} is not a swept key ({', '.join(keys) or 'nothing is swept'})")
-
     if template is not None and "{seed" in template:
         raise SweepError("sweep.name", "the seed is appended to every name as -s<seed>; leave {seed} out")
+    compare = spec.get("compare", next((k for k in keys if k != "optim.lr"), keys[0] if keys else ""))
+    if keys and compare not in keys:
+        raise SweepError("sweep.compare", f"{compare!r} is not a swept key ({', '.join(keys)})")
 
     members, names = [], {}
     for point in itertools.product(*axes) if axes else [()]:
