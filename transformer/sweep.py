@@ -79,19 +79,6 @@ class Sweep:
         }
 
 
-def _flat_grid(grid: Any, prefix: str = "") -> dict[str, Any]:
-    """Grid keys may be dotted (`optim.lr`) or nested sections (`optim: {lr: [...]}`)."""
-    if not isinstance(grid, dict):
-        raise SweepError(f"sweep.grid{'.' + prefix.rstrip('.') if prefix else ''}", "expected a mapping of key: [values]")
-    out = {}
-    for key, values in grid.items():
-        if isinstance(values, dict):
-            out.update(_flat_grid(values, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = values
-    return out
-
-
 def _check_key(where: str, key: str) -> None:
     keys = all_keys()
     if key not in keys:
@@ -111,7 +98,10 @@ def _values(where: str, values: Any) -> list:
 def _axes(spec: dict) -> tuple[list[list[dict]], list[str], set[str]]:
     """The sweep's independent axes, each a list of points {key: value}; the varied keys; the labels."""
     axes, keys, labels = [], [], set()
-    for key, values in _flat_grid(spec.get("grid") or {}).items():
+    grid = spec.get("grid") or {}
+    if not isinstance(grid, dict):
+        raise SweepError("sweep.grid", "expected a mapping of key: [values]")
+    for key, values in flatten(grid).items():  # dotted keys (optim.lr) or nested sections (optim: {lr: ...})
         _check_key("sweep.grid", key)
         axes.append([{key: v} for v in _values(f"sweep.grid.{key}", values)])
         keys.append(key)
