@@ -186,6 +186,8 @@ def test_member_status_reads_the_events(tmp_path):
     assert member_status(tmp_path) == "interrupted"
     events.write_text('{"event": "start", "step": 0}\n{"event": "end", "step": 9}\n{"event": "start", "st')
     assert member_status(tmp_path) == "finished"  # a torn last line is ignored
+    assert member_status(tmp_path, steps=9) == "finished"
+    assert member_status(tmp_path, steps=20) == "interrupted"  # train.steps raised: it continues
     events.write_text('{"event": "start", "step": 0}\n{"event": "stopped", "step": 4}\n')
     assert member_status(tmp_path) == "stopped" and "stopped" in DONE
 
@@ -239,3 +241,30 @@ def test_ffn_study_compares_at_equal_parameter_count():
     s = expand(load_raw(ROOT / "configs/ablations/ffn.yaml"))
     assert {m.config.model.ffn for m in s.members} == {"gelu", "swiglu", "geglu"}
     assert len({count_params(m.config.model) for m in s.members}) == 1
+
+
+def test_a_signal_stops_the_sweep_with_the_running_member_checkpointed(tmp_path):
+    """SIGTERM to the sweep (a scheduler's preemption, or Ctrl-C) is passed to the running member,
+    which checkpoints and exits 75; the sweep starts nothing more and exits 75 too."""
+    import signal
+    import time
+
+    path = tmp_path / "s.yaml"
+    spec = {**TINY, "train": {**TINY["train"], "steps": 20000, "eval_every": 10000}, "checkpoint": {"every": 10000},
+            "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}}}  # fmt: skip
+    path.write_text(yaml.safe_dump(spec))
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), str(path), "--workdir", str(runs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    first = runs / "lr-0.001"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and len((first / "metrics.jsonl").read_text().splitlines() if (first / "metrics.jsonl").exists() else []) < 20:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out
+    (preempted,) = read_events(first, "preempted")
+    assert preempted["checkpoint"] == preempted["step"] > 0  # the newest state is on disk
+    assert member_status(first) == "interrupted"
+    assert not (runs / "lr-0.01").exists()  # nothing more was started
+    assert "run the same command to resume" in out

@@ -237,8 +237,10 @@ def _default_name(assigned: dict) -> str:
 # --- running -------------------------------------------------------------------------------------
 
 
-def member_status(workdir: Path) -> str:
-    """'pending' (never started), 'finished', 'stopped' (by the monitor), or 'interrupted'."""
+def member_status(workdir: Path, steps: int | None = None) -> str:
+    """'pending' (never started), 'finished' (trained to `steps`, when given), 'stopped' (by the
+    monitor), or 'interrupted'. A run that ended short of `steps` (train.steps was raised since) is
+    'interrupted': running it again continues it from its last checkpoint."""
     try:
         lines = (workdir / "events.jsonl").read_text().splitlines()
     except OSError:
@@ -246,13 +248,14 @@ def member_status(workdir: Path) -> str:
     status = "pending"
     for line in lines:
         try:
-            kind = json.loads(line)["event"]
+            record = json.loads(line)
+            kind = record["event"]
         except (ValueError, KeyError, TypeError):
             continue  # a torn last line
         if kind == "start":
             status = "interrupted"
         elif kind == "end":
-            status = "finished"
+            status = "finished" if steps is None or record.get("step", 0) >= steps else "interrupted"
         elif kind == "stopped":
             status = "stopped"
     return status
@@ -287,7 +290,7 @@ def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
     for m in sweep.members:
         _atomic_write(workdir / MEMBERS_DIR / f"{m.name}.yaml", m.config.to_yaml())
     _atomic_write(workdir / MANIFEST, json.dumps(sweep.manifest(), indent=1))
-    return {m.name: member_status(workdir / m.name) for m in sweep.members}
+    return {m.name: member_status(workdir / m.name, m.config.train.steps) for m in sweep.members}
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -326,6 +329,7 @@ def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     failed, preempted = [], []
     pending, launched = list(todo), 0
+    steps = {m.name: m.config.train.steps for m in sweep.members}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         while pending or running:
@@ -352,7 +356,7 @@ def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str
                 if rc is None:
                     continue
                 del running[name]
-                status = member_status(workdir / name)
+                status = member_status(workdir / name, steps[name])
                 seconds = time.monotonic() - started
                 if rc == 0 or status in DONE:
                     log(f"  {name}: {status} in {seconds:.0f} s{_summary(workdir / name)}")
