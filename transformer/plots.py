@@ -75,19 +75,26 @@ def curves(report: Report, key: str, ylabel: str, log_y: bool = False, smooth: b
 
 
 def per_layer(report: Report) -> Figure | None:
-    """Residual RMS and attention entropy per layer at the last statistics step (mean over seeds)."""
+    """Residual RMS and attention entropy per layer at the last statistics step: one line per
+    variant (mean over seeds), or, with many variants, per level of the compared key and depth
+    (mean over everything else)."""
     keys = [("residual_rms", "residual RMS"), ("attn_entropy", "attention entropy (nats)")]
     if not any(r.last_list(k) for r in report.runs for k, _ in keys):
         return None
+    groups: dict[str, list] = {}
+    many = len(report.variants) > FACET_ABOVE
+    for variant, runs in report.variants.items():
+        for run in runs:
+            label = f"{report.compare.rsplit('.', 1)[-1]}={_text(run.values.get(report.compare))}" if many else variant
+            groups.setdefault(f"{label}, {run.config.model.n_layers} layers" if many else label, []).append(run)
     fig, axes = _grid(2, width=5.0)
-    variants = list(report.variants)
     for ax, (key, label) in zip(axes, keys):
-        for color, variant in zip(_colors(len(variants)), variants):
-            lists = [x for x in (r.last_list(key) for r in report.variants[variant]) if x]
+        for color, (name, runs) in zip(_colors(len(groups)), groups.items()):
+            lists = [x for x in (r.last_list(key) for r in runs) if x and np.isfinite(x).any()]
             if not lists or len({len(x) for x in lists}) != 1:
                 continue
             mean = np.nanmean(np.array(lists), axis=0)
-            ax.plot(np.arange(len(mean)), mean, marker="o", ms=3, color=color, label=variant)
+            ax.plot(np.arange(len(mean)), mean, marker="o", ms=3, color=color, label=name)
         ax.set(xlabel="layer", ylabel=label, title=f"{label} at the end")
         ax.grid(alpha=0.3)
     if axes[0].get_legend_handles_labels()[0]:

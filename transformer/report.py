@@ -332,7 +332,8 @@ def _verdict(report: Report) -> str:
     shared = sorted(set(cells[best]) & set(cells[second]))
     diffs = np.array([cells[second][c] - cells[best][c] for c in shared])
     n = len(diffs)
-    head = f"{key} = {best} vs {second}: {measure} {means[best]:.3g} vs {means[second]:.3g} {unit}"
+    order = " < ".join(f"{level} {means[level]:.3g}" for level in ranked)
+    head = f"{key} by mean {measure} ({unit}): {order}"
     if n == 0 or not np.any(diffs > 0):
         return f"No {key} was more stable than another by {measure} ({head}; {n} paired settings)."
     wins = int(np.sum(diffs > 0))
@@ -421,8 +422,10 @@ def write_report(directory: Path, log: Callable[[str], None] = print) -> Path:
     notes = [
         f"Runs: {len(report.runs)} in {len(report.variants)} variants; varied: {', '.join(report.keys) or 'nothing'}.",
         f"Common token budget: {budget} (loss @ budget = mean logged train loss over its last {BUDGET_TAIL:.0%}).",
-        "Mean ± sample std over seeds; spikes = spike and non-finite events of the monitor; "
-        "diverged = divergence reported or the monitor stopped the run.",
+        "Mean ± sample std over seeds. Final train loss is one batch (the same batch in every run of a seed); "
+        "loss @ budget is the steadier figure. Spikes = spike and non-finite events of the monitor; "
+        "diverged = divergence reported (loss above its first value) or the monitor stopped the run; "
+        "a run that stalls below its first loss is not counted, but the LR sensitivity charges it.",
     ]
     verdict, best = report.verdict(), report.best_loss_line()
     md = [f"# Comparison: {directory.name}", "", f"**Verdict.** {verdict}", "", best, "", *notes, "",
