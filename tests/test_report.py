@@ -195,3 +195,20 @@ def test_report_of_a_real_sweep_matches_its_runs(tiny_sweep):
         assert f"{report.summaries[run.name].final_train_loss:.4f}" in md
     for name in ("loss", "grad_norm", "val_loss", "layers", "lr"):
         assert (tiny_sweep / "plots" / f"{name}.png").read_bytes()[:8] == PNG
+
+
+def test_verdict_pairs_across_keys_zipped_with_the_compared_label(tmp_path):
+    """`attention: [mha, mqa]` zipped with n_kv_heads [4, 1]: n_kv_heads never matches across levels,
+    so the cells are paired by the other keys and the seed alone."""
+    members = []
+    for attention, kv, spikes in (("mha", 4, 0), ("mqa", 1, 3)):
+        for task in ("a", "b"):
+            for seed in (0, 1):
+                name = f"{attention}-{task}-s{seed}"
+                fake_run(tmp_path, name, seed=seed, losses=[5.0, 2.0], events=[("spike", 1)] * spikes)
+                members.append({"name": name, "variant": f"{attention}-{task}", "seed": seed,
+                                "values": {"model.n_kv_heads": kv}, "labels": {"attention": attention, "task": task}})  # fmt: skip
+    manifest = {"source": "x", "keys": ["attention", "model.n_kv_heads", "task"], "compare": "attention", "members": members}
+    (tmp_path / "sweep.json").write_text(json.dumps(manifest))
+    verdict = build(tmp_path).verdict()
+    assert verdict.startswith("mha was more stable than mqa") and "in all 4 paired settings" in verdict, verdict

@@ -34,6 +34,7 @@ import numpy as np
 from transformer.config import Config, flatten, load_config
 
 LR_KEY = "optim.lr"
+DONE = ("finished", "stopped")  # runs whose numbers are final; running or interrupted ones are left out
 SPIKES = ("spike", "nonfinite")
 BUDGET_TAIL = 0.1  # the loss at a token budget averages the logged losses over its last 10%
 
@@ -242,8 +243,10 @@ class Report:
         return out
 
     def aggregate(self, field: str) -> dict[str, tuple[float, float | None]]:
+        """Mean and std of a Summary field over each variant's finished runs."""
         return {
-            v: mean_std([float(getattr(self.summaries[r.name], field)) for r in runs]) for v, runs in self.variants.items()
+            v: mean_std([float(getattr(self.summaries[r.name], field)) for r in runs if self.summaries[r.name].status in DONE])
+            for v, runs in self.variants.items()
         }
 
     def _final_loss(self, run: Run) -> float:
@@ -263,7 +266,7 @@ class Report:
         for setting, by_seed in cells.items():
             values = {}
             for seed, runs in by_seed.items():
-                finished = [r for r in runs if self.summaries[r.name].status in ("finished", "stopped")]
+                finished = [r for r in runs if self.summaries[r.name].status in DONE]
                 if len(finished) < 2:
                     continue  # one learning rate says nothing about sensitivity
                 losses = [self._final_loss(r) for r in finished]
@@ -294,6 +297,22 @@ def build(directory: Path) -> Report:
     return Report(runs, {r.name: summarize(r, budget) for r in runs}, keys, compare, budget)
 
 
+def _independent_keys(report: Report, key: str) -> list[str]:
+    """The varied keys that define paired cells for comparing levels of `key`: not the learning
+    rate (the sensitivity spans it), and not keys tied to `key` (zipped with it, such as the
+    n_kv_heads of an `attention: [mha, mqa]` label), which never match across its levels."""
+    out = []
+    for k in report.keys:
+        if k in (key, LR_KEY):
+            continue
+        within: dict[Any, set] = {}
+        for run in report.runs:
+            within.setdefault(_hashable(run.values.get(key)), set()).add(_hashable(run.values.get(k)))
+        if any(len(v) > 1 for v in within.values()):  # varies at a fixed level of `key`: independent
+            out.append(k)
+    return out
+
+
 def _verdict(report: Report) -> str:
     """One line on which level of `compare` was more stable, only as strong as the data allow.
 
@@ -305,28 +324,30 @@ def _verdict(report: Report) -> str:
     key = report.compare
     if not key:
         return "Nothing varies between these runs, so there is no comparison to make."
-    others = [k for k in report.keys if k not in (key, LR_KEY)]
+    others = _independent_keys(report, key)
     cells: dict[Any, dict[tuple, float]] = {}  # level -> {cell: instability}
     if LR_KEY in report.keys and key != LR_KEY:
         measure, unit = "LR sensitivity", "nats"
         setting_keys = [k for k in report.keys if k != LR_KEY]  # the order of a sensitivity's setting
         for setting, by_seed in report.sensitivities().items():
-            level = setting[setting_keys.index(key)]
-            rest = tuple(s for k, s in zip(setting_keys, setting) if k != key)
+            values = dict(zip(setting_keys, setting))
+            rest = tuple(values[k] for k in others)
             for seed, value in by_seed.items():
-                cells.setdefault(level, {})[rest + (seed,)] = value
+                cells.setdefault(values[key], {})[rest + (seed,)] = value
     else:
         measure, unit = "spikes + divergences", "events"
         for run in report.runs:
             s = report.summaries[run.name]
-            if s.status == "not run":
+            if s.status not in DONE:
                 continue
             level = _hashable(run.values.get(key))
             rest = tuple(_hashable(run.values.get(k)) for k in others) + (run.seed,)
             cells.setdefault(level, {})[rest] = s.spikes + int(s.diverged)
     if len(cells) < 2:
         return f"Too few finished runs to compare {key} for stability."
-    means = {level: float(np.mean(list(c.values()))) for level, c in cells.items()}
+    # rank over the cells every level has (a partly run sweep must not compare unequal sets)
+    common = set.intersection(*(set(c) for c in cells.values())) or None
+    means = {level: float(np.mean([v for cell, v in c.items() if common is None or cell in common])) for level, c in cells.items()}
     ranked = sorted(means, key=means.get)
     best, second = ranked[0], ranked[1]
     shared = sorted(set(cells[best]) & set(cells[second]))
@@ -375,10 +396,11 @@ def table(report: Report) -> tuple[list[str], list[list[str]]]:
     keys = report.keys
     header = [k.rsplit(".", 1)[-1] for k in keys] + ["seeds"] + [c[0] for c in COLUMNS] + ["diverged"]
     stats = {field: report.aggregate(field) for _, field, _ in COLUMNS}
+    stats["params"] = {v: (float(report.summaries[runs[0].name].params), None) for v, runs in report.variants.items()}
     rows = []
     for variant, runs in report.variants.items():
         first = runs[0].values
-        done = [r for r in runs if report.summaries[r.name].status != "not run"]
+        done = [r for r in runs if report.summaries[r.name].status in DONE]
         row = [_text(first.get(k)) for k in keys] + [f"{len(done)}/{len(runs)}"]
         row += [_cell(*stats[field][variant], fmt) for _, field, fmt in COLUMNS]
         row.append(f"{sum(report.summaries[r.name].diverged for r in done)}/{len(done)}")
