@@ -123,7 +123,12 @@ def _sweep_main(args, sweep) -> int:
     workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem
     try:
         if args.print_commands:
-            print_commands(sweep, workdir)
+            try:
+                print_commands(sweep, workdir)
+            except BrokenPipeError:  # `--print-commands | head`: the reader has all it wanted
+                import os
+
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         return run_sweep(sweep, workdir, args.parallel)
     except SweepError as e:
