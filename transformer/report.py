@@ -70,8 +70,7 @@ class Run:
             step = int(record.pop("step"))
             for key, value in record.items():
                 series.setdefault(key, {})[step] = value
-        events = [e for e in map(_json, _lines(workdir / "events.jsonl")) if isinstance(e, dict) and "event" in e]
-        return cls(name, variant, config.train.seed, values, config, series, events)
+        return cls(name, variant, config.train.seed, values, config, series, read_events(workdir))
 
     def curve(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) of one scalar metric, in step order."""
@@ -92,10 +91,27 @@ class Run:
 
     @property
     def status(self) -> str:
-        status = "not run"
-        for e in self.events:
-            status = {"start": "interrupted", "end": "finished", "stopped": "stopped"}.get(e["event"], status)
-        return status
+        return run_status(self.events, self.config.train.steps)
+
+
+def read_events(workdir: Path) -> list[dict]:
+    """A run's events.jsonl; a torn last line (a crash mid-write) is left out."""
+    return [e for e in map(_json, _lines(workdir / "events.jsonl")) if isinstance(e, dict) and "event" in e]
+
+
+def run_status(events: list[dict], steps: int | None = None) -> str:
+    """'pending' (never started), 'finished' (trained to `steps`, when given), 'stopped' (by the
+    monitor), or 'interrupted'. A run that ended short of `steps` (train.steps was raised since) is
+    'interrupted': running it again continues it from its last checkpoint."""
+    status = "pending"
+    for e in events:
+        if e["event"] == "start":
+            status = "interrupted"
+        elif e["event"] == "end":
+            status = "finished" if steps is None or e.get("step", 0) >= steps else "interrupted"
+        elif e["event"] == "stopped":
+            status = "stopped"
+    return status
 
 
 def _lines(path: Path) -> list[str]:
@@ -204,7 +220,7 @@ def summarize(run: Run, budget: int | None) -> Summary:
 
 def common_budget(runs: list[Run]) -> int | None:
     """The fewest tokens any run trained on (runs that logged nothing do not count)."""
-    seen = [int(run.curve("loss")[0][-1]) * run.tokens_per_step for run in runs if len(run.curve("loss")[0])]
+    seen = [int(steps[-1]) * run.tokens_per_step for run in runs if len(steps := run.curve("loss")[0])]
     return min(seen) if seen else None
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from transformer.config import ROOT, Config, ConfigError, all_keys, config_changes, flatten, from_dict, load_config
+from transformer.report import DONE, read_events, run_status
 
 SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare")
 MANIFEST = "sweep.json"
@@ -43,7 +44,6 @@ MEMBERS_DIR = "members"  # resolved member configs
 LOGS_DIR = "logs"  # member output when several run at once
 RESERVED = {MEMBERS_DIR, LOGS_DIR, "plots"}
 TRAIN_SCRIPT = ROOT / "train.py"
-DONE = ("finished", "stopped")
 
 
 class SweepError(ConfigError):
@@ -238,27 +238,8 @@ def _default_name(assigned: dict) -> str:
 
 
 def member_status(workdir: Path, steps: int | None = None) -> str:
-    """'pending' (never started), 'finished' (trained to `steps`, when given), 'stopped' (by the
-    monitor), or 'interrupted'. A run that ended short of `steps` (train.steps was raised since) is
-    'interrupted': running it again continues it from its last checkpoint."""
-    try:
-        lines = (workdir / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return "pending"
-    status = "pending"
-    for line in lines:
-        try:
-            record = json.loads(line)
-            kind = record["event"]
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line
-        if kind == "start":
-            status = "interrupted"
-        elif kind == "end":
-            status = "finished" if steps is None or record.get("step", 0) >= steps else "interrupted"
-        elif kind == "stopped":
-            status = "stopped"
-    return status
+    """The status (report.run_status) of the run in `workdir`, judged against `steps`."""
+    return run_status(read_events(workdir), steps)
 
 
 def _relative(path: Path) -> str:
@@ -388,11 +369,10 @@ def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str
 
 def _summary(workdir: Path) -> str:
     """', val loss 1.234' from a finished member's end event, if it has one."""
+    ends = [e for e in read_events(workdir) if e["event"] == "end"]
     try:
-        lines = (workdir / "events.jsonl").read_text().splitlines()
-        end = [json.loads(line) for line in lines if '"end"' in line][-1]
-        return f", val loss {float(end['val_loss']):.4f}"
-    except (OSError, IndexError, KeyError, ValueError, TypeError):
+        return f", val loss {float(ends[-1]['val_loss']):.4f}"
+    except (IndexError, KeyError, ValueError, TypeError):
         return ""
 
 
