@@ -21,13 +21,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from throughput import preset_path, random_batch  # noqa: E402
+from throughput import preset_path, random_batch
 
-from transformer import sharding  # noqa: E402
-from transformer.checkpoint import Checkpointer, meta_record  # noqa: E402
-from transformer.config import load_config  # noqa: E402
-from transformer.model.summary import count_params  # noqa: E402
-from transformer.trainer import Trainer, default_controls  # noqa: E402
+from transformer import sharding
+from transformer.checkpoint import Checkpointer, meta_record
+from transformer.config import load_config
+from transformer.model.summary import count_params
+from transformer.trainer import Trainer, default_controls
 
 
 def dir_bytes(path: Path) -> int:
@@ -39,8 +39,10 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["default", "cpu-6l384"])
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    print(f"{'preset':<10} {'params':>11} {'step ms':>8} {'async save':>11} {'sync save':>10} {'restore':>8} "
-          f"{'size MB':>8} {'12 B/param':>10}")  # fmt: skip
+    print(
+        f"{'preset':<10} {'params':>11} {'step ms':>8} {'async save':>11} {'sync save':>10} {'restore':>8} "
+        f"{'size MB':>8} {'12 B/param':>10}"
+    )
     for name in args.presets:
         cfg = load_config(preset_path(name), ["checkpoint.keep=100", "checkpoint.keep_best=0"])
         trainer = Trainer(cfg, sharding.make_mesh(cfg))
@@ -55,8 +57,9 @@ def main() -> None:
         blocking = {True: [], False: []}
         restores = []
         abstract = jax.eval_shape(trainer.init, jax.random.key(0))
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                              trainer.state_shardings)._asdict()  # fmt: skip
+        target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, trainer.state_shardings
+        )._asdict()
         for use_async in (True, False):
             with tempfile.TemporaryDirectory() as workdir:
                 ckpt_cfg = cfg.checkpoint.__class__(every=1, keep=100, keep_best=0, async_=use_async)
@@ -75,9 +78,11 @@ def main() -> None:
                         restores.append(time.perf_counter() - start)
                 ckpt.close()
         n = count_params(cfg.model)
-        ms = lambda xs: f"{1e3 * statistics.median(xs):.1f}"  # noqa: E731
-        print(f"{name:<10} {n:>11,} {ms(steps[1:]):>8} {ms(blocking[True]):>11} {ms(blocking[False]):>10} "
-              f"{ms(restores):>8} {size / 1e6:>8.2f} {size / (12 * n):>9.3f}x")  # fmt: skip
+        ms = lambda xs: f"{1e3 * statistics.median(xs):.1f}"
+        print(
+            f"{name:<10} {n:>11,} {ms(steps[1:]):>8} {ms(blocking[True]):>11} {ms(blocking[False]):>10} "
+            f"{ms(restores):>8} {size / 1e6:>8.2f} {size / (12 * n):>9.3f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer import data as datalib  # noqa: E402
-from transformer.config import load_config  # noqa: E402
+from transformer import data as datalib
+from transformer.config import load_config
 
 
 def main() -> None:
@@ -49,16 +49,20 @@ def main() -> None:
                 datalib.prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
                 starts.append(time.perf_counter() - start)
         extra = f" (vocab {cfg.data.vocab_size}, training the BPE included)" if tok == "bpe" else ""
-        print(f"{tok:>5}: tokenise {mb:.1f} MB at {statistics.median(rates):.2f} MB/s{extra}; "
-              f"start over a complete cache {statistics.median(starts):.2f} s")  # fmt: skip
+        print(
+            f"{tok:>5}: tokenise {mb:.1f} MB at {statistics.median(rates):.2f} MB/s{extra}; "
+            f"start over a complete cache {statistics.median(starts):.2f} s"
+        )
     d = datalib.prepare(base.data, base.train.batch_size, base.train.seed, log=lambda _: None)
     times = []
     for step in range(200):
         start = time.perf_counter()
         d.train_batch(step)
         times.append(time.perf_counter() - start)
-    print(f"one global batch ({base.train.batch_size} x {base.data.seq_len}): "
-          f"median {1e3 * statistics.median(times):.2f} ms over 200 steps")  # fmt: skip
+    print(
+        f"one global batch ({base.train.batch_size} x {base.data.seq_len}): "
+        f"median {1e3 * statistics.median(times):.2f} ms over 200 steps"
+    )
 
 
 if __name__ == "__main__":

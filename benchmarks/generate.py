@@ -23,9 +23,9 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer.config import load_config  # noqa: E402
-from transformer.model import Transformer  # noqa: E402
-from transformer.model.summary import kv_cache_bytes_per_token  # noqa: E402
+from transformer.config import load_config
+from transformer.model import Transformer
+from transformer.model.summary import kv_cache_bytes_per_token
 
 
 def median_time(f, repeats):
@@ -62,8 +62,12 @@ def main() -> None:
         m = nnx.merge(graphdef, params)
 
         def step(cache, t):
-            logits, cache = m.decode(jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1),
-                                     jax.lax.dynamic_slice_in_dim(positions, t, 1, 1), cache, t)  # fmt: skip
+            logits, cache = m.decode(
+                jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1),
+                jax.lax.dynamic_slice_in_dim(positions, t, 1, 1),
+                cache,
+                t,
+            )
             return cache, logits[:, -1]
 
         return jax.lax.scan(step, cache, jnp.arange(P, P + N))[1]
@@ -77,12 +81,18 @@ def main() -> None:
     t_decode = median_time(lambda: decode(graphdef, params, cache, tokens), args.repeats) / N
     t_full = median_time(lambda: recompute(graphdef, params, tokens), args.repeats)
     print(f"default model, float32, batch 1, {P}-token prompt, {N} new tokens:")
-    print(f"  prefill {P / t_prefill:,.0f} tokens/s; cached decode {1 / t_decode:,.0f} tokens/s "
-          f"({1e3 * t_decode:.2f} ms/token); recomputing the forward pass {1e3 * t_full:.2f} ms/token: "
-          f"cache is {t_full / t_decode:.1f}x faster")  # fmt: skip
+    print(
+        f"  prefill {P / t_prefill:,.0f} tokens/s; cached decode {1 / t_decode:,.0f} tokens/s "
+        f"({1e3 * t_decode:.2f} ms/token); recomputing the forward pass {1e3 * t_full:.2f} ms/token: "
+        f"cache is {t_full / t_decode:.1f}x faster"
+    )
     print(f"KV cache at {P} tokens:")
-    for name, extra in (("MHA", []), ("GQA K=2", ["model.n_kv_heads=2"]), ("MQA", ["model.n_kv_heads=1"]),
-                        ("window 128", ["model.window=128"])):  # fmt: skip
+    for name, extra in (
+        ("MHA", []),
+        ("GQA K=2", ["model.n_kv_heads=2"]),
+        ("MQA", ["model.n_kv_heads=1"]),
+        ("window 128", ["model.window=128"]),
+    ):
         variant = load_config(None, [f"data.seq_len={P}", *args.overrides, *extra]).model
         caches = jax.eval_shape(lambda v=variant: Transformer(v, rngs=nnx.Rngs(0)).init_cache(1, P))
         measured = sum(layer["k"].size * layer["k"].dtype.itemsize * 2 for layer in caches)

@@ -20,11 +20,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from throughput import random_batch  # noqa: E402
+from throughput import random_batch
 
-from transformer import sharding  # noqa: E402
-from transformer.config import load_config  # noqa: E402
-from transformer.trainer import Trainer, default_controls  # noqa: E402
+from transformer import sharding
+from transformer.config import load_config
+from transformer.trainer import Trainer, default_controls
 
 
 def mean_step(every: int, steps: int) -> float:
@@ -55,8 +55,10 @@ def main() -> None:
     off = [mean_step(0, args.steps) for _ in range(args.repeats)]
     on = [mean_step(args.every, args.steps) for _ in range(args.repeats)]
     a, b = statistics.median(off), statistics.median(on)
-    print(f"default config, {args.steps} steps: stats off {1e3 * a:.1f} ms/step; stats_every={args.every} "
-          f"{1e3 * b:.1f} ms/step ({100 * (b / a - 1):+.1f}%)")  # fmt: skip
+    print(
+        f"default config, {args.steps} steps: stats off {1e3 * a:.1f} ms/step; stats_every={args.every} "
+        f"{1e3 * b:.1f} ms/step ({100 * (b / a - 1):+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer import sharding  # noqa: E402
-from transformer.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from transformer.metrics import device_peak_flops  # noqa: E402
-from transformer.model.summary import count_params, flops_per_token  # noqa: E402
-from transformer.trainer import Trainer, default_controls  # noqa: E402
+from transformer import sharding
+from transformer.config import DEFAULT_CONFIG, load_config
+from transformer.metrics import device_peak_flops
+from transformer.model.summary import count_params, flops_per_token
+from transformer.trainer import Trainer, default_controls
 
 PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
 
@@ -84,8 +84,10 @@ def main() -> None:
 
     peak, source = device_peak_flops()
     n = jax.device_count()
-    print(f"backend {jax.default_backend()}, {n} device(s) {jax.devices()[0].device_kind}; "
-          f"peak {peak / 1e9:.1f} GFLOP/s per device ({source})")  # fmt: skip
+    print(
+        f"backend {jax.default_backend()}, {n} device(s) {jax.devices()[0].device_kind}; "
+        f"peak {peak / 1e9:.1f} GFLOP/s per device ({source})"
+    )
     print(f"{'preset':<12} {'params':>11} {'step ms':>9} {'tokens/s':>10} {'GFLOP/s':>9} {'MFU':>6}  rounds (ms)")
     for name in args.presets:
         cfg = load_config(preset_path(name), args.overrides)

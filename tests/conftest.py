@@ -10,13 +10,13 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+import pytest
+from flax import nnx
 
-from transformer.config import ModelConfig  # noqa: E402
-from transformer.model import Transformer  # noqa: E402
+from transformer.config import ModelConfig
+from transformer.model import Transformer
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -103,7 +103,15 @@ def tiny_sweep(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("tiny-sweep")
     (workdir / "sweep.yaml").write_text(yaml.safe_dump(TINY_SWEEP))
     out = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), str(workdir / "sweep.yaml"), "--workdir", str(workdir), "--parallel", "2"],
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            str(workdir / "sweep.yaml"),
+            "--workdir",
+            str(workdir),
+            "--parallel",
+            "2",
+        ],
         capture_output=True,
         text=True,
     )

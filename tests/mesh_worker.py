@@ -20,17 +20,33 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
     for mesh_cfg in meshes:
         n = mesh_cfg.pop("devices")
         overrides = [f"mesh.{k}={v}" for k, v in mesh_cfg.items()]
-        cfg = load_config(sys.argv[4] if len(sys.argv) > 4 else None, [
-            f"data.source=files:{corpus}", f"data.cache_dir={cache}", "data.seq_len=32", "data.val_windows=8",
-            "model.d_model=64", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_multiple=16",
-            "train.batch_size=8", f"train.steps={steps}", f"train.eval_every={steps}", "logging.every=1",
-            "logging.progress=false", "logging.tensorboard=false", "optim.warmup_steps=5", *overrides,
-        ])  # fmt: skip
+        cfg = load_config(
+            sys.argv[4] if len(sys.argv) > 4 else None,
+            [
+                f"data.source=files:{corpus}",
+                f"data.cache_dir={cache}",
+                "data.seq_len=32",
+                "data.val_windows=8",
+                "model.d_model=64",
+                "model.n_layers=2",
+                "model.n_heads=8",
+                "model.n_kv_heads=4",
+                "model.ffn_multiple=16",
+                "train.batch_size=8",
+                f"train.steps={steps}",
+                f"train.eval_every={steps}",
+                "logging.every=1",
+                "logging.progress=false",
+                "logging.tensorboard=false",
+                "optim.warmup_steps=5",
+                *overrides,
+            ],
+        )
         data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
         cfg = with_vocab(cfg, data.vocab_size)
         mesh = sharding.make_mesh(cfg, jax.devices()[:n])
         losses = []
-        train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda step, m: losses.append(m["loss"]))
+        train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda step, m, out=losses: out.append(m["loss"]))
         specs = Trainer(cfg, mesh).state_shardings.params
         results.append(
             {

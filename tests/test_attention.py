@@ -17,7 +17,7 @@ T = 8
 
 def input_jacobian(model, x_BxTxD, positions_BxT=None, segment_ids_BxT=None):
     """dep[t, s] = |d out[t] / d x[s]| summed over channels, for a random projection of the output."""
-    B, T_, D = x_BxTxD.shape
+    _, T_, D = x_BxTxD.shape
     if positions_BxT is None:
         positions_BxT = jnp.arange(T_)[None]
     probe_TxD = jax.random.normal(jax.random.key(7), (T_, D))
@@ -69,7 +69,9 @@ def test_window_reach_grows_with_depth_and_pattern_has_global_layers():
     reach = (s <= t) & (t - s <= 2 * (window - 1))
     assert np.all(stacked[~reach] == 0.0) and np.all(stacked[reach] > 0.0)
     # local, global: the global layer sees the whole prefix
-    patterned = input_jacobian(build(tiny(window=window, attention_pattern=("local", "global"))), embeddings(tiny(), T_))
+    patterned = input_jacobian(
+        build(tiny(window=window, attention_pattern=("local", "global"))), embeddings(tiny(), T_)
+    )
     assert np.all(patterned[s <= t] > 0.0) and np.all(patterned[s > t] == 0.0)
 
 

@@ -827,7 +827,9 @@ def test_builtin_stdlib(stdlib_data):
 # --- builtin:recall ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", ["", "pairs=4,distance=20", "shuffle=1,pairs=6,distance=30", "pairs=26,distance=78"])
+@pytest.mark.parametrize(
+    "options", ["", "pairs=4,distance=20", "shuffle=1,pairs=6,distance=30", "pairs=26,distance=78"]
+)
 def test_recall_answers_are_in_the_input_at_the_stated_distance(options):
     from transformer.synthetic import KEYS, VALUES, RecallTask
     from transformer.tokenizer import ByteTokenizer

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT, write_corpus
 
 from transformer.cli import eval_main
 from transformer.config import load_config
 from transformer.trainer import run
-from conftest import ROOT, write_corpus
-
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +23,23 @@ def trained(tmp_path_factory):
     cfg = load_config(
         None,
         [
-            f"data.source=files:{corpus}", f"data.cache_dir={root / 'cache'}", "data.seq_len=32",
-            "data.val_windows=12", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
-            "model.ffn_multiple=16", "train.batch_size=8", "train.steps=20", "train.eval_every=10",
-            "checkpoint.every=10", "checkpoint.keep=5", "logging.progress=false", "logging.tensorboard=false",
+            f"data.source=files:{corpus}",
+            f"data.cache_dir={root / 'cache'}",
+            "data.seq_len=32",
+            "data.val_windows=12",
+            "model.d_model=32",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.ffn_multiple=16",
+            "train.batch_size=8",
+            "train.steps=20",
+            "train.eval_every=10",
+            "checkpoint.every=10",
+            "checkpoint.keep=5",
+            "logging.progress=false",
+            "logging.tensorboard=false",
         ],
-    )  # fmt: skip
+    )
     run(cfg, workdir, log=lambda _: None)
     return workdir, root
 
@@ -71,8 +81,19 @@ def test_other_split_batches_and_dataset(trained, capsys):
 
 def test_generate_prints_a_continuation(trained, capsys):
     workdir, _ = trained
-    argv = ["--workdir", str(workdir), "--generate", "doc 1: the", "--generate", "of", "--temperature", "0",
-            "--max-new-tokens", "12", "--json"]  # fmt: skip
+    argv = [
+        "--workdir",
+        str(workdir),
+        "--generate",
+        "doc 1: the",
+        "--generate",
+        "of",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     assert eval_main(argv) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["prompt"] for r in first] == ["doc 1: the", "of"]
@@ -105,7 +126,13 @@ def test_bad_input(trained, tmp_path, capsys):
 def test_eval_cli_end_to_end(trained):
     workdir, _ = trained
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "eval.py", "--workdir", str(workdir)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "eval.py", "--workdir", str(workdir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("step 20 on files:") and "bits per byte" in out.stdout

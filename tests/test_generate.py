@@ -77,8 +77,10 @@ def test_cache_bytes_equal_the_closed_form(n_kv_heads, dtype):
     cfg = tiny(n_kv_heads=n_kv_heads, dtype=dtype)
     cache = build(cfg).init_cache(1, 10)
     kv_bytes = sum(layer["k"].nbytes + layer["v"].nbytes for layer in cache)
-    assert kv_bytes == 10 * kv_cache_bytes_per_token(cfg) == 10 * 2 * cfg.n_layers * n_kv_heads * cfg.head_dim * (
-        4 if dtype == "float32" else 2
+    assert (
+        kv_bytes
+        == 10 * kv_cache_bytes_per_token(cfg)
+        == 10 * 2 * cfg.n_layers * n_kv_heads * cfg.head_dim * (4 if dtype == "float32" else 2)
     )
 
 

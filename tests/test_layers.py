@@ -62,10 +62,10 @@ def test_deepnorm_constants_and_residual_scale():
     cfg = tiny(n_layers=6, norm="layernorm", norm_position="deepnorm")
     block = Block(cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (1, 8, 32))
-    f = lambda h: jnp.zeros_like(h)  # noqa: E731
+    f = lambda h: jnp.zeros_like(h)
     out = block.residual(x, f, block.attn_norm, None, None)
     np.testing.assert_allclose(out, block.attn_norm(x), atol=1e-5)
-    g = lambda h: h  # noqa: E731  # identity sublayer: N((alpha + 1) x)
+    g = lambda h: h  # identity sublayer: N((alpha + 1) x)
     out = block.residual(x, g, block.attn_norm, None, None)
     raw = block.residual(x, g, Norm(cfg, kind="layernorm"), None, None)
     np.testing.assert_allclose(out, raw, atol=1e-5)
@@ -131,7 +131,13 @@ def test_ffn_matches_numpy(ffn, use_bias):
 
 @pytest.mark.parametrize(
     "ffn, d_model, multiple, want",
-    [("gelu", 32, 16, 128), ("relu", 40, 64, 192), ("swiglu", 32, 16, 96), ("geglu", 96, 32, 256), ("reglu", 128, 64, 384)],
+    [
+        ("gelu", 32, 16, 128),
+        ("relu", 40, 64, 192),
+        ("swiglu", 32, 16, 96),
+        ("geglu", 96, 32, 256),
+        ("reglu", 128, 64, 384),
+    ],
 )
 def test_default_ffn_width(ffn, d_model, multiple, want):
     assert tiny(ffn=ffn, d_model=d_model, ffn_multiple=multiple).d_ff == want

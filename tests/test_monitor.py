@@ -12,14 +12,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import ROOT, logged, read_events, write_corpus
 
 from transformer import sharding
 from transformer.config import MonitorConfig, load_config
 from transformer.data import prepare
 from transformer.monitor import Monitor, MonitorStop, Recovery
 from transformer.trainer import Trainer, default_controls, run, with_vocab
-from conftest import ROOT, logged, read_events, write_corpus
-
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +28,28 @@ def corpus(tmp_path_factory) -> Path:
 
 def args(corpus, cache, *extra):
     return [
-        f"data.source=files:{corpus}", f"data.cache_dir={cache}", "data.seq_len=32", "data.val_windows=8",
-        "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_multiple=16", "train.batch_size=8",
-        "train.eval_every=1000", "logging.every=1", "logging.progress=false", "logging.tensorboard=false",
-        "checkpoint.every=10", "checkpoint.keep=3", "optim.warmup_steps=5", "optim.schedule=constant",
-        "monitor.window=64", "monitor.threshold=8", "optim.lr=1e-3", *extra,
-    ]  # fmt: skip
+        f"data.source=files:{corpus}",
+        f"data.cache_dir={cache}",
+        "data.seq_len=32",
+        "data.val_windows=8",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.ffn_multiple=16",
+        "train.batch_size=8",
+        "train.eval_every=1000",
+        "logging.every=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.every=10",
+        "checkpoint.keep=3",
+        "optim.warmup_steps=5",
+        "optim.schedule=constant",
+        "monitor.window=64",
+        "monitor.threshold=8",
+        "optim.lr=1e-3",
+        *extra,
+    ]
 
 
 def train_run(corpus, cache, workdir, *extra):
@@ -139,8 +154,12 @@ def test_fault_replay_after_a_kill(tmp_path):
     assert Recovery.replay(journal, resume_step=41).fired == {"lr"}  # in the checkpoint's past
     assert Recovery.replay(journal, resume_step=40).fired == set()  # killed before it was dealt with: again
     with open(journal, "a") as f:
-        f.write(json.dumps({"event": "rollback", "step": 40, "to_step": 40, "skip_batches": 3, "cooldown": 0,
-                            "lr_factor": 1.0}) + "\n")  # fmt: skip
+        f.write(
+            json.dumps(
+                {"event": "rollback", "step": 40, "to_step": 40, "skip_batches": 3, "cooldown": 0, "lr_factor": 1.0}
+            )
+            + "\n"
+        )
     assert Recovery.replay(journal, resume_step=40).fired == {"lr"}  # recovered from: never again
 
 
@@ -195,9 +214,17 @@ def reference(corpus, cache, tmp_path_factory):
 
 def test_injected_spike_rollback_recovers(corpus, cache, reference, tmp_path):
     workdir = train_run(
-        corpus, cache, tmp_path / "run", "train.steps=100", "faults.lr_step=50", "faults.lr_multiplier=3000",
-        "monitor.on_spike=rollback", "monitor.skip_batches=20", "monitor.cooldown=10", "monitor.lr_factor=0.5",
-    )  # fmt: skip
+        corpus,
+        cache,
+        tmp_path / "run",
+        "train.steps=100",
+        "faults.lr_step=50",
+        "faults.lr_multiplier=3000",
+        "monitor.on_spike=rollback",
+        "monitor.skip_batches=20",
+        "monitor.cooldown=10",
+        "monitor.lr_factor=0.5",
+    )
     assert [e["step"] for e in events(workdir, "fault")] == [50]
     spikes = events(workdir, "spike")
     assert spikes and 51 <= spikes[0]["step"] <= 54, "detected within a few steps of the fault"
@@ -212,8 +239,15 @@ def test_injected_spike_rollback_recovers(corpus, cache, reference, tmp_path):
 
 
 def test_skip_mode_drops_the_spike_step(corpus, cache, tmp_path):
-    workdir = train_run(corpus, cache, tmp_path / "run", "train.steps=80", "faults.corrupt_step=70",
-                        "faults.corrupt_kind=repeated", "monitor.on_spike=skip")  # fmt: skip
+    workdir = train_run(
+        corpus,
+        cache,
+        tmp_path / "run",
+        "train.steps=80",
+        "faults.corrupt_step=70",
+        "faults.corrupt_kind=repeated",
+        "monitor.on_spike=skip",
+    )
     records = {}
     for line in (workdir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
@@ -239,8 +273,17 @@ def test_nan_gradients_never_reach_parameters_or_checkpoints(corpus, cache, refe
 def test_consecutive_nonfinite_steps_stop_the_run(corpus, cache, tmp_path):
     workdir = tmp_path / "run"
     with pytest.raises(MonitorStop, match=r"3 non-finite steps in a row \(monitor.max_nonfinite = 3\)"):
-        train_run(corpus, cache, workdir, "train.steps=40", "optim.lr=1e30", "optim.name=sgd",
-                  "optim.clip_norm=null", "optim.warmup_steps=0", "monitor.max_nonfinite=3")  # fmt: skip
+        train_run(
+            corpus,
+            cache,
+            workdir,
+            "train.steps=40",
+            "optim.lr=1e30",
+            "optim.name=sgd",
+            "optim.clip_norm=null",
+            "optim.warmup_steps=0",
+            "monitor.max_nonfinite=3",
+        )
     assert [e["action"] for e in events(workdir, "nonfinite")] == ["not applied"] * 3
     assert not [p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]  # nothing bad was saved
 
@@ -248,15 +291,29 @@ def test_consecutive_nonfinite_steps_stop_the_run(corpus, cache, tmp_path):
 def test_recovery_records_survive_a_kill(corpus, cache, tmp_path):
     """Killed after a rollback: the resumed run does not fire the fault again, keeps the skipped
     batches, and ends where an unkilled run with the same rollback ends."""
-    extra = ("train.steps=70", "faults.lr_step=40", "faults.lr_multiplier=3000", "monitor.on_spike=rollback",
-             "monitor.skip_batches=20", "checkpoint.async=false")  # fmt: skip
+    extra = (
+        "train.steps=70",
+        "faults.lr_step=40",
+        "faults.lr_multiplier=3000",
+        "monitor.on_spike=rollback",
+        "monitor.skip_batches=20",
+        "checkpoint.async=false",
+    )
     straight = train_run(corpus, cache, tmp_path / "straight", *extra)
     workdir = tmp_path / "killed"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "train.py", *args(corpus, cache, *extra), "--workdir", str(workdir)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args(corpus, cache, *extra), "--workdir", str(workdir)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
-    while not (workdir / "events.jsonl").exists() or '"event": "rollback"' not in (workdir / "events.jsonl").read_text():
+    while (
+        not (workdir / "events.jsonl").exists() or '"event": "rollback"' not in (workdir / "events.jsonl").read_text()
+    ):
         assert proc.poll() is None, proc.stderr.read()[-2000:]
         assert time.time() < deadline
         time.sleep(0.02)

@@ -4,9 +4,9 @@ import base64
 
 import nbformat
 import pytest
+from conftest import ROOT
 from nbclient import NotebookClient
 
-from conftest import ROOT
 from transformer.report import build
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, logged, read_events
+
 from transformer.config import from_dict
 from transformer.report import build, lr_sensitivity, mean_std, write_report
 
@@ -23,19 +23,41 @@ def fake_run(directory, name, *, norm="pre", lr=1e-3, seed=0, losses, val=(), ev
     """A run directory as the trainer writes it: config.yaml, metrics.jsonl, events.jsonl."""
     run = directory / name
     run.mkdir(parents=True)
-    cfg = from_dict({"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "norm_position": norm},
-                     "optim": {"lr": lr}, "train": {"seed": seed, "batch_size": batch, "steps": len(losses)},
-                     "data": {"seq_len": 8}})  # fmt: skip
+    cfg = from_dict(
+        {
+            "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "norm_position": norm},
+            "optim": {"lr": lr},
+            "train": {"seed": seed, "batch_size": batch, "steps": len(losses)},
+            "data": {"seq_len": 8},
+        }
+    )
     (run / "config.yaml").write_text(cfg.to_yaml())
     with open(run / "metrics.jsonl", "w") as f:
         for step, loss in enumerate(losses, 1):
             loss = loss if math.isfinite(loss) else str(loss)  # as the trainer writes non-finite values
-            f.write(json.dumps({"step": step, "loss": loss, "grad_norm": 1.0 + step / 100, "tokens_per_s": 1000.0 + step}) + "\n")
+            f.write(
+                json.dumps({"step": step, "loss": loss, "grad_norm": 1.0 + step / 100, "tokens_per_s": 1000.0 + step})
+                + "\n"
+            )
             if step in dict(val):
-                f.write(json.dumps({"step": step, "val_loss": dict(val)[step], "val_bits_per_byte": dict(val)[step] / math.log(2)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"step": step, "val_loss": dict(val)[step], "val_bits_per_byte": dict(val)[step] / math.log(2)}
+                    )
+                    + "\n"
+                )
             if stats and step % 2 == 0:
-                f.write(json.dumps({"step": step, "attn_logit_max": [step, 2 * step], "residual_rms": [1.0, 2.0],
-                                    "attn_entropy": [0.5, 0.4]}) + "\n")  # fmt: skip
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "attn_logit_max": [step, 2 * step],
+                            "residual_rms": [1.0, 2.0],
+                            "attn_entropy": [0.5, 0.4],
+                        }
+                    )
+                    + "\n"
+                )
     with open(run / "events.jsonl", "w") as f:
         f.write(json.dumps({"event": "start", "step": 0}) + "\n")
         for kind, step in events:
@@ -46,10 +68,22 @@ def fake_run(directory, name, *, norm="pre", lr=1e-3, seed=0, losses, val=(), ev
 
 
 def sweep_dir(directory, runs: dict[str, dict]):
-    members = [{"name": n, "variant": n.rsplit("-s", 1)[0], "seed": r["seed"],
-                "values": {"model.norm_position": r["norm"], "optim.lr": r["lr"]}, "labels": {}} for n, r in runs.items()]  # fmt: skip
-    manifest = {"source": "x.yaml", "keys": ["model.norm_position", "optim.lr"], "compare": "model.norm_position",
-                "members": members}  # fmt: skip
+    members = [
+        {
+            "name": n,
+            "variant": n.rsplit("-s", 1)[0],
+            "seed": r["seed"],
+            "values": {"model.norm_position": r["norm"], "optim.lr": r["lr"]},
+            "labels": {},
+        }
+        for n, r in runs.items()
+    ]
+    manifest = {
+        "source": "x.yaml",
+        "keys": ["model.norm_position", "optim.lr"],
+        "compare": "model.norm_position",
+        "members": members,
+    }
     (directory / "sweep.json").write_text(json.dumps(manifest))
 
 
@@ -71,11 +105,19 @@ def test_mean_std_over_seeds():
 
 def test_report_numbers_equal_the_runs_own_metrics(tmp_path):
     losses = list(np.linspace(5.0, 1.5, 30))
-    a = fake_run(tmp_path, "pre-s0", losses=losses, val=[(15, 2.2), (30, 1.6)],
-                 events=[("spike", 3), ("spike", 7), ("rollback", 2), ("level_shift", 8)], stats=True)  # fmt: skip
+    a = fake_run(
+        tmp_path,
+        "pre-s0",
+        losses=losses,
+        val=[(15, 2.2), (30, 1.6)],
+        events=[("spike", 3), ("spike", 7), ("rollback", 2), ("level_shift", 8)],
+        stats=True,
+    )
     fake_run(tmp_path, "pre-s1", seed=1, losses=list(np.linspace(5.0, 1.4, 30)), val=[(30, 1.5)])
     # a shorter run sets the common token budget: 20 steps x 4 rows x 8 tokens = 640
-    fake_run(tmp_path, "post-s0", norm="post", losses=[5.0, 4.0, 9.0, math.nan] + [8.0] * 16, events=[("divergence", 4)])
+    fake_run(
+        tmp_path, "post-s0", norm="post", losses=[5.0, 4.0, 9.0, math.nan] + [8.0] * 16, events=[("divergence", 4)]
+    )
     report = build(tmp_path)
     s = report.summaries["pre-s0"]
     loss = logged(a, "loss")
@@ -112,15 +154,26 @@ def test_report_files_plots_and_verdict_on_a_sweep(tmp_path):
     for name, r in runs.items():
         bad = r["norm"] == "post" and r["lr"] >= 1e-2
         final = 2.0 + 0.1 * r["seed"] + (4.0 if bad else 0.0) + (0.3 if r["lr"] == 1e-3 else 0.0)
-        fake_run(tmp_path, name, norm=r["norm"], lr=r["lr"], seed=r["seed"], losses=list(np.linspace(5.0, final, 8)),
-                 val=[(8, final)], stats=True, events=[("spike", 3)] if bad else [])  # fmt: skip
+        fake_run(
+            tmp_path,
+            name,
+            norm=r["norm"],
+            lr=r["lr"],
+            seed=r["seed"],
+            losses=list(np.linspace(5.0, final, 8)),
+            val=[(8, final)],
+            stats=True,
+            events=[("spike", 3)] if bad else [],
+        )
     sweep_dir(tmp_path, runs)
     path = write_report(tmp_path, log=lambda _: None)
     report = build(tmp_path)
     sens = report.sensitivities()
     # pre: capped finals 2.3+s, 2+s, 2+s -> sensitivity 0.1; post: 2.3+s, 5 (capped), 5 -> 2.1 - ... exact values:
     for seed in (0, 1, 2):
-        assert sens[("pre",)][seed] == pytest.approx(lr_sensitivity([2.3 + 0.1 * seed, 2 + 0.1 * seed, 2 + 0.1 * seed], [5.0] * 3))
+        assert sens[("pre",)][seed] == pytest.approx(
+            lr_sensitivity([2.3 + 0.1 * seed, 2 + 0.1 * seed, 2 + 0.1 * seed], [5.0] * 3)
+        )
         assert sens[("post",)][seed] == pytest.approx(lr_sensitivity([2.3 + 0.1 * seed, 5.0, 5.0], [5.0] * 3))
     verdict = report.verdict()
     assert verdict.startswith("pre was more stable than post") and "all 3 paired settings" in verdict, verdict
@@ -158,8 +211,9 @@ def test_verdict_without_lr_grid_counts_spikes_and_divergence(tmp_path):
 
 
 def test_eval_compare_cli(tiny_sweep_or_fake):
-    out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--compare", str(tiny_sweep_or_fake)],
-                         capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "--compare", str(tiny_sweep_or_fake)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert "| norm_position |" in out.stdout and "verdict:" in out.stdout
     assert (tiny_sweep_or_fake / "report.html").is_file()
@@ -173,7 +227,9 @@ def tiny_sweep_or_fake(tmp_path):
 
 
 def test_eval_compare_refuses_a_directory_without_runs(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--compare", str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), "--compare", str(tmp_path)], capture_output=True, text=True
+    )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "no runs" in out.stderr
 
 
@@ -206,9 +262,21 @@ def test_verdict_pairs_across_keys_zipped_with_the_compared_label(tmp_path):
             for seed in (0, 1):
                 name = f"{attention}-{task}-s{seed}"
                 fake_run(tmp_path, name, seed=seed, losses=[5.0, 2.0], events=[("spike", 1)] * spikes)
-                members.append({"name": name, "variant": f"{attention}-{task}", "seed": seed,
-                                "values": {"model.n_kv_heads": kv}, "labels": {"attention": attention, "task": task}})  # fmt: skip
-    manifest = {"source": "x", "keys": ["attention", "model.n_kv_heads", "task"], "compare": "attention", "members": members}
+                members.append(
+                    {
+                        "name": name,
+                        "variant": f"{attention}-{task}",
+                        "seed": seed,
+                        "values": {"model.n_kv_heads": kv},
+                        "labels": {"attention": attention, "task": task},
+                    }
+                )
+    manifest = {
+        "source": "x",
+        "keys": ["attention", "model.n_kv_heads", "task"],
+        "compare": "attention",
+        "members": members,
+    }
     (tmp_path / "sweep.json").write_text(json.dumps(manifest))
     verdict = build(tmp_path).verdict()
     assert verdict.startswith("mha was more stable than mqa") and "in all 4 paired settings" in verdict, verdict

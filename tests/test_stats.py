@@ -44,8 +44,11 @@ def test_model_statistics_on_a_known_case(scan_layers):
     stats = model.stability_stats(tokens)
     L = cfg.n_layers
     assert {k: np.shape(v) for k, v in stats.items() if k != "log_z_mean"} == {
-        "attn_logit_max": (L,), "attn_logit_mean": (L,), "attn_entropy": (L,), "residual_rms": (L,),
-    }  # fmt: skip
+        "attn_logit_max": (L,),
+        "attn_logit_mean": (L,),
+        "attn_entropy": (L,),
+        "residual_rms": (L,),
+    }
     np.testing.assert_allclose(stats["attn_entropy"], np.mean([math.log(t + 1) for t in range(8)]), rtol=1e-5)
     np.testing.assert_allclose(stats["attn_logit_max"], 0.0, atol=1e-7)
     embedded = model.embed_tokens(tokens, jnp.broadcast_to(jnp.arange(8), (2, 8)))
@@ -60,19 +63,40 @@ def test_training_writes_per_layer_statistics(tmp_path):
 
     corpus = tmp_path / "docs.jsonl"
     rng = np.random.default_rng(0)
-    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(list("abcdefgh"), 200))}) + "\n" for _ in range(200)))
-    cfg = load_config(None, [
-        f"data.source=files:{corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
-        "data.val_windows=4", "model.d_model=32", "model.n_layers=3", "model.n_heads=4", "train.batch_size=8",
-        "train.steps=10", "train.eval_every=10", "monitor.stats_every=5", "logging.progress=false",
-    ])  # fmt: skip
+    corpus.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choice(list("abcdefgh"), 200))}) + "\n" for _ in range(200))
+    )
+    cfg = load_config(
+        None,
+        [
+            f"data.source=files:{corpus}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.seq_len=32",
+            "data.val_windows=4",
+            "model.d_model=32",
+            "model.n_layers=3",
+            "model.n_heads=4",
+            "train.batch_size=8",
+            "train.steps=10",
+            "train.eval_every=10",
+            "monitor.stats_every=5",
+            "logging.progress=false",
+        ],
+    )
     run(cfg, tmp_path / "run", log=lambda _: None)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     stats = [r for r in records if "attn_entropy" in r]
     assert [r["step"] for r in stats] == [5, 10]
     for r in stats:
-        for key in ("attn_logit_max", "attn_logit_mean", "attn_entropy", "residual_rms", "grad_norm_attn",
-                    "grad_norm_ffn", "update_ratio"):  # fmt: skip
+        for key in (
+            "attn_logit_max",
+            "attn_logit_mean",
+            "attn_entropy",
+            "residual_rms",
+            "grad_norm_attn",
+            "grad_norm_ffn",
+            "update_ratio",
+        ):
             assert len(r[key]) == 3 and all(math.isfinite(x) for x in r[key]), key
         assert 0 < max(r["attn_entropy"]) <= math.log(32)
         assert math.isfinite(r["log_z_mean"])

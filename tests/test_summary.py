@@ -59,9 +59,16 @@ def test_full_size_llama2_7b_shape_check():
 def test_full_size_gqa_shape_check():
     """A Llama-3-8B-like GQA model (8 kv heads): 8,030,261,248 parameters."""
     cfg = ModelConfig(
-        d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=128256,
-        tie_embeddings=False, rope_theta=500000.0, max_seq_len=8192,
-    )  # fmt: skip
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        vocab_size=128256,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    )
     assert sum(params_by_component(cfg).values()) == count_params(cfg) == 8_030_261_248
 
 

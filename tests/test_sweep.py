@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import ROOT, TINY_SWEEP, read_events
+
 from transformer.config import ConfigError, load_config, load_raw
 from transformer.model.summary import flops_per_token
 from transformer.sweep import DONE, SweepError, expand, member_status
@@ -22,11 +22,13 @@ def sweep(spec: dict, base: dict = BASE, overrides=()):
 
 
 def test_grid_zip_and_seeds_expand_to_every_combination_with_unique_names():
-    s = sweep({
-        "grid": {"model.norm_position": ["pre", "post"], "optim.lr": [1e-3, 3e-3, 1e-2]},
-        "zip": [{"attention": ["mha", "mqa"], "model.n_kv_heads": [4, 1]}],
-        "seeds": [0, 1],
-    })  # fmt: skip
+    s = sweep(
+        {
+            "grid": {"model.norm_position": ["pre", "post"], "optim.lr": [1e-3, 3e-3, 1e-2]},
+            "zip": [{"attention": ["mha", "mqa"], "model.n_kv_heads": [4, 1]}],
+            "seeds": [0, 1],
+        }
+    )
     assert len(s.members) == 2 * 3 * 2 * 2
     assert len({m.name for m in s.members}) == len(s.members)
     assert s.keys == ("model.norm_position", "optim.lr", "attention", "model.n_kv_heads")
@@ -55,7 +57,15 @@ def test_name_template_nested_grid_and_any_config_key():
 
 
 def test_names_are_safe_directory_names_without_equals_signs():
-    s = sweep({"grid": {"model.attention_pattern": [["local", "global"]], "model.window": [8], "data.source": ["builtin:recall"]}})
+    s = sweep(
+        {
+            "grid": {
+                "model.attention_pattern": [["local", "global"]],
+                "model.window": [8],
+                "data.source": ["builtin:recall"],
+            }
+        }
+    )
     (name,) = [m.name for m in s.members]
     assert "/" not in name and "=" not in name and ":" not in name, name
 
@@ -69,7 +79,11 @@ def test_no_sweep_values_is_one_member():
     "spec, key, words",
     [
         ({"gird": {}}, "sweep.gird", "did you mean sweep.grid"),
-        ({"grid": {"model.norm_postion": ["pre"]}}, "sweep.grid.model.norm_postion", "did you mean model.norm_position"),
+        (
+            {"grid": {"model.norm_postion": ["pre"]}},
+            "sweep.grid.model.norm_postion",
+            "did you mean model.norm_position",
+        ),
         ({"grid": {"optim.lr": []}}, "sweep.grid.optim.lr", "non-empty list"),
         ({"grid": {"optim.lr": 1e-3}}, "sweep.grid.optim.lr", "non-empty list"),
         ({"grid": {"train.seed": [0, 1]}}, "sweep.grid.train.seed", "sweep.seeds"),
@@ -145,7 +159,9 @@ def test_attention_study_window_cannot_reach_the_recall_answers():
 
 
 def _train(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
 
 
 TINY = {k: v for k, v in TINY_SWEEP.items() if k != "sweep"}
@@ -250,15 +266,26 @@ def test_a_signal_stops_the_sweep_with_the_running_member_checkpointed(tmp_path)
     import time
 
     path = tmp_path / "s.yaml"
-    spec = {**TINY, "train": {**TINY["train"], "steps": 20000, "eval_every": 10000}, "checkpoint": {"every": 10000},
-            "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}}}  # fmt: skip
+    spec = {
+        **TINY,
+        "train": {**TINY["train"], "steps": 20000, "eval_every": 10000},
+        "checkpoint": {"every": 10000},
+        "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}},
+    }
     path.write_text(yaml.safe_dump(spec))
     runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), str(path), "--workdir", str(runs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), str(path), "--workdir", str(runs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     first = runs / "lr-0.001"
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and len((first / "metrics.jsonl").read_text().splitlines() if (first / "metrics.jsonl").exists() else []) < 20:
+    while (
+        time.monotonic() < deadline
+        and len((first / "metrics.jsonl").read_text().splitlines() if (first / "metrics.jsonl").exists() else []) < 20
+    ):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)

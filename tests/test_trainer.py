@@ -12,14 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, write_corpus
 
 from transformer import sharding
 from transformer.config import ConfigError, OptimConfig, load_config
 from transformer.data import prepare
 from transformer.optim import decay_mask, schedule
 from transformer.trainer import cross_entropy, train, with_vocab
-from conftest import ROOT, write_corpus
-
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +30,24 @@ def tiny_run(corpus: Path, cache: Path, *overrides: str):
     return load_config(
         None,
         [
-            f"data.source=files:{corpus}", f"data.cache_dir={cache}", "data.seq_len=32", "data.val_windows=8",
-            "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.ffn_multiple=16",
-            "train.batch_size=8", "train.steps=6", "train.eval_every=6", "logging.every=1",
-            "logging.progress=false", "logging.tensorboard=false", "optim.warmup_steps=2", *overrides,
+            f"data.source=files:{corpus}",
+            f"data.cache_dir={cache}",
+            "data.seq_len=32",
+            "data.val_windows=8",
+            "model.d_model=32",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.ffn_multiple=16",
+            "train.batch_size=8",
+            "train.steps=6",
+            "train.eval_every=6",
+            "logging.every=1",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+            "optim.warmup_steps=2",
+            *overrides,
         ],
-    )  # fmt: skip
+    )
 
 
 def run_tiny(cfg):
@@ -59,8 +70,12 @@ def test_losses_identical_across_meshes(corpus, tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
     reference = results[0]["losses"]
@@ -94,14 +109,24 @@ def test_dropout_run_is_reproducible_and_differs_from_no_dropout(corpus, tmp_pat
 
 def test_weight_decay_mask():
     params = {
-        "embed": 1, "pos_embed": 1, "head": 1,
-        "blocks": {"attn": {"qkv": 1, "out": 1, "qkv_bias": 1, "out_bias": 1, "q_norm": {"scale": 1}},
-                   "ffn": {"w_in": 1, "w_out": 1, "b_in": 1, "b_out": 1}, "attn_norm": {"scale": 1, "bias": 1}},
+        "embed": 1,
+        "pos_embed": 1,
+        "head": 1,
+        "blocks": {
+            "attn": {"qkv": 1, "out": 1, "qkv_bias": 1, "out_bias": 1, "q_norm": {"scale": 1}},
+            "ffn": {"w_in": 1, "w_out": 1, "b_in": 1, "b_out": 1},
+            "attn_norm": {"scale": 1, "bias": 1},
+        },
         "final_norm": {"scale": 1},
-    }  # fmt: skip
+    }
     mask = decay_mask(params, decay_embeddings=False)
-    assert mask["blocks"]["attn"] == {"qkv": True, "out": True, "qkv_bias": False, "out_bias": False,
-                                      "q_norm": {"scale": False}}  # fmt: skip
+    assert mask["blocks"]["attn"] == {
+        "qkv": True,
+        "out": True,
+        "qkv_bias": False,
+        "out_bias": False,
+        "q_norm": {"scale": False},
+    }
     assert mask["blocks"]["ffn"] == {"w_in": True, "w_out": True, "b_in": False, "b_out": False}
     assert mask["blocks"]["attn_norm"] == {"scale": False, "bias": False}
     assert (mask["embed"], mask["pos_embed"], mask["head"], mask["final_norm"]["scale"]) == (False, False, True, False)
@@ -115,14 +140,25 @@ def test_decay_touches_matrices_only_in_the_real_parameter_tree():
     from transformer.model import Transformer
     from transformer.optim import make_optimizer
 
-    cfg = load_config(None, ["model.use_bias=true", "model.norm=layernorm", "model.qk_norm=true",
-                             "model.tie_embeddings=false", "model.d_model=32", "model.n_layers=1"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "model.use_bias=true",
+            "model.norm=layernorm",
+            "model.qk_norm=true",
+            "model.tie_embeddings=false",
+            "model.d_model=32",
+            "model.n_layers=1",
+        ],
+    )
     params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param))
     opt_cfg = OptimConfig(lr=0.5, weight_decay=0.1, warmup_steps=0, schedule="constant", clip_norm=None)
     tx = make_optimizer(opt_cfg, 10, params)
     updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
-    flat = {"/".join(str(k.key) for k in path): (u, p) for (path, u), p in
-            zip(jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(params))}  # fmt: skip
+    flat = {
+        "/".join(str(k.key) for k in path): (u, p)
+        for (path, u), p in zip(jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(params))
+    }
     decayed = sorted(name for name, (u, p) in flat.items() if np.any(u != 0))
     assert decayed == ["blocks/attn/out", "blocks/attn/qkv", "blocks/ffn/w_in", "blocks/ffn/w_out", "head"]
     for name in decayed:
@@ -133,11 +169,20 @@ def test_decay_touches_matrices_only_in_the_real_parameter_tree():
 @pytest.mark.parametrize(
     "kind, step, want",
     [
-        ("cosine", 0, 0.1), ("cosine", 9, 1.0), ("cosine", 55, 0.1 + 0.9 * 0.5), ("cosine", 100, 0.1),
-        ("cosine", 500, 0.1), ("linear", 55, 0.1 + 0.9 * 0.5), ("linear", 100, 0.1), ("constant", 80, 1.0),
-        ("wsd", 50, 1.0), ("wsd", 80, 1.0), ("wsd", 90, 1 - 0.9 * 0.5), ("wsd", 100, 0.1),
+        ("cosine", 0, 0.1),
+        ("cosine", 9, 1.0),
+        ("cosine", 55, 0.1 + 0.9 * 0.5),
+        ("cosine", 100, 0.1),
+        ("cosine", 500, 0.1),
+        ("linear", 55, 0.1 + 0.9 * 0.5),
+        ("linear", 100, 0.1),
+        ("constant", 80, 1.0),
+        ("wsd", 50, 1.0),
+        ("wsd", 80, 1.0),
+        ("wsd", 90, 1 - 0.9 * 0.5),
+        ("wsd", 100, 0.1),
     ],
-)  # fmt: skip
+)
 def test_schedule_values(kind, step, want):
     cfg = OptimConfig(lr=2.0, schedule=kind, warmup_steps=10, min_lr_ratio=0.1, decay_fraction=0.2)
     assert float(schedule(cfg, 100)(step)) == pytest.approx(2.0 * want, rel=1e-5)
@@ -162,7 +207,11 @@ def test_cross_entropy_and_z_loss_by_hand():
         (["mesh.data=1", "mesh.tensor=8"], 8, "mesh.tensor: 8 does not divide model.n_heads = 4"),
         (["model.n_heads=8", "model.n_kv_heads=2", "mesh.data=2", "mesh.tensor=4"], 8, "model.n_kv_heads = 2"),
         (["model.d_ff=99", "mesh.data=4", "mesh.tensor=2"], 8, "model.d_ff = 99"),
-        (["model.vocab_multiple=1", "model.vocab_size=259", "mesh.data=4", "mesh.tensor=2"], 8, "padded vocab (model.vocab_multiple) = 259"),
+        (
+            ["model.vocab_multiple=1", "model.vocab_size=259", "mesh.data=4", "mesh.tensor=2"],
+            8,
+            "padded vocab (model.vocab_multiple) = 259",
+        ),
         (["train.batch_size=12", "mesh.data=8"], 8, "train.batch_size: 12 is not divisible by data x fsdp"),
     ],
 )
@@ -175,24 +224,40 @@ def test_invalid_meshes_are_refused(overrides, devices, fragment):
 
 def cli(*args, env=None, timeout=600):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_invalid_mesh_exits_2_from_the_cli(tmp_path):
-    out = cli("mesh.data=3", "--workdir", str(tmp_path / "run"), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    out = cli(
+        "mesh.data=3", "--workdir", str(tmp_path / "run"), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    )
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["train.py: error: config: mesh: data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"]
+    assert out.stderr.strip().splitlines() == [
+        "train.py: error: config: mesh: data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"
+    ]
     assert not (tmp_path / "run").exists()
 
 
 def test_train_cli_end_to_end(corpus, tmp_path):
     workdir = tmp_path / "run"
     out = cli(
-        f"data.source=files:{corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=64",
-        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "train.batch_size=8", "train.steps=30",
-        "train.eval_every=15", "logging.every=5", "optim.lr=3e-3", "optim.warmup_steps=5", "--workdir", str(workdir),
-    )  # fmt: skip
+        f"data.source=files:{corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=64",
+        "model.d_model=64",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "train.batch_size=8",
+        "train.steps=30",
+        "train.eval_every=15",
+        "logging.every=5",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=5",
+        "--workdir",
+        str(workdir),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert {"config.yaml", "metrics.jsonl", "events.jsonl", "tb"} <= {p.name for p in workdir.iterdir()}
     assert any(p.name.startswith("events.out.tfevents") for p in (workdir / "tb").iterdir())
@@ -224,11 +289,21 @@ def free_port() -> int:
 
 def test_two_processes_match_one_process(corpus, tmp_path):
     common = [
-        f"data.source=files:{corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32",
-        "data.val_windows=8", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "train.batch_size=8",
-        "train.steps=8", "train.eval_every=8", "logging.every=1", "logging.progress=false", "mesh.data=2",
+        f"data.source=files:{corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=32",
+        "data.val_windows=8",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "train.batch_size=8",
+        "train.steps=8",
+        "train.eval_every=8",
+        "logging.every=1",
+        "logging.progress=false",
+        "mesh.data=2",
         "mesh.fsdp=2",
-    ]  # fmt: skip
+    ]
     flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     single = cli(*common, "--workdir", str(tmp_path / "one"), env=flags)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -236,10 +311,25 @@ def test_two_processes_match_one_process(corpus, tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "train.py", *common, "--workdir", str(tmp_path / "two"), "--coordinator",
-             f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "train.py",
+                *common,
+                "--workdir",
+                str(tmp_path / "two"),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(2)
     ]
     outs = [p.communicate(timeout=600) for p in procs]

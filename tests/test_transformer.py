@@ -57,7 +57,7 @@ def test_remat_gives_the_same_gradients(remat, scan_layers):
     model = build(cfg)
     remat_model = with_config(model, dataclasses.replace(cfg, remat=remat))
     tokens = tokens_for(cfg, T=13)
-    grad = lambda m: nnx.grad(loss_fn)(m, tokens)  # noqa: E731
+    grad = lambda m: nnx.grad(loss_fn)(m, tokens)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grad(model), grad(remat_model))
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import yaml
@@ -86,7 +86,9 @@ class Checkpointer:
         if not steps:
             raise CheckpointError(f"{self.directory} holds no checkpoints")
         if step is not None and step not in steps:
-            raise CheckpointError(f"step {step} was not kept in {self.directory.parent} (kept: {', '.join(map(str, steps))})")
+            raise CheckpointError(
+                f"step {step} was not kept in {self.directory.parent} (kept: {', '.join(map(str, steps))})"
+            )
         return steps[-1] if step is None else step
 
     def save(self, step: int, state: dict, meta: dict, val_loss: float | None = None, wait: bool = False) -> None:
@@ -120,7 +122,9 @@ class Checkpointer:
             try:
                 restored = self.manager.restore(
                     s,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                    ),
                 )
                 _check_complete(restored["state"], abstract_state)
             except Exception as e:
@@ -223,4 +227,3 @@ def partial_writes(directory: Path) -> list[str]:
     if not directory.is_dir():
         return []
     return [p.name for p in directory.iterdir() if ".orbax-checkpoint-tmp" in p.name]
-

@@ -144,12 +144,16 @@ def eval_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="eval.py", description="Evaluate a run's checkpoint, or sample text from it.")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. data.source=files:other/*.txt")
     p.add_argument("--workdir", default=None, help="the run directory")
-    p.add_argument("--compare", default=None, metavar="DIR", help="write DIR/report.md and report.html comparing the runs in DIR")
+    p.add_argument(
+        "--compare", default=None, metavar="DIR", help="write DIR/report.md and report.html comparing the runs in DIR"
+    )
     p.add_argument("--step", type=int, default=None, help="a kept checkpoint step (default: the latest)")
     p.add_argument("--split", choices=("val", "train"), default="val")
     p.add_argument("--batches", type=int, default=None, help="evaluate at most this many batches")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--generate", action="append", default=[], metavar="PROMPT", help="sample a continuation (repeatable)")
+    p.add_argument(
+        "--generate", action="append", default=[], metavar="PROMPT", help="sample a continuation (repeatable)"
+    )
     p.add_argument("--prompts", default=None, help="a file of prompts, one per line")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")

@@ -49,7 +49,7 @@ class ConfigError(ValueError):
         self.key = key
         self.message = message
 
-    def under(self, section: str) -> "ConfigError":
+    def under(self, section: str) -> ConfigError:
         return ConfigError(f"{section}.{self.key}" if self.key else section, self.message)
 
 
@@ -263,7 +263,9 @@ class DataConfig:
         kind, _, arg = self.source.partition(":")
         if kind == "builtin":
             corpus, _, options = arg.partition(":")
-            _check(corpus in BUILTINS, "source", f"unknown builtin corpus {arg!r} (builtin:{', builtin:'.join(BUILTINS)})")
+            _check(
+                corpus in BUILTINS, "source", f"unknown builtin corpus {arg!r} (builtin:{', builtin:'.join(BUILTINS)})"
+            )
             if corpus == "recall":
                 try:
                     RecallTask.parse(options)

@@ -22,8 +22,8 @@ import shutil
 import sys
 import sysconfig
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -84,7 +84,9 @@ def source_fingerprint(cfg: DataConfig) -> str:
         return f"files-{_files_fingerprint(files)}"
     if kind == "hf":
         return "hf-" + "-".join(ds._fingerprint for ds in load_splits(cfg).values())
-    raise DataError(f"data.source: unknown source {cfg.source!r} (builtin:stdlib, builtin:recall, hf:NAME[:CONFIG], files:GLOB)")
+    raise DataError(
+        f"data.source: unknown source {cfg.source!r} (builtin:stdlib, builtin:recall, hf:NAME[:CONFIG], files:GLOB)"
+    )
 
 
 def _first_line(e: Exception) -> str:
@@ -157,14 +159,21 @@ def _load_splits(cfg: DataConfig, fingerprint: str) -> dict:
         loaded = datasets.DatasetDict(
             {split: datasets.Dataset.from_dict({cfg.text_field: task.documents(split)}) for split in ("train", "val")}
         )
-        loaded = {cfg.train_split: loaded["train"], cfg.val_split: loaded["val"]}  # its own splits, whatever their names
+        loaded = {
+            cfg.train_split: loaded["train"],
+            cfg.val_split: loaded["val"],
+        }  # its own splits, whatever their names
     elif kind == "builtin":
         if arg != "stdlib":
             raise DataError(f"data.source: unknown builtin corpus {arg!r} (builtin:stdlib, builtin:recall)")
         root, files = _stdlib_files()
         texts = [p.read_text("utf-8", errors="replace") for p in files]
         loaded = datasets.DatasetDict(
-            {"train": datasets.Dataset.from_dict({cfg.text_field: texts, "path": [str(p.relative_to(root)) for p in files]})}
+            {
+                "train": datasets.Dataset.from_dict(
+                    {cfg.text_field: texts, "path": [str(p.relative_to(root)) for p in files]}
+                )
+            }
         )
     elif kind == "files":
         loaded = _documents_from_files(cfg)
@@ -254,9 +263,7 @@ def _digest(obj) -> str:
 
 
 def _split_rules(cfg: DataConfig) -> dict:
-    return dict(
-        text_field=cfg.text_field, train=cfg.train_split, val=cfg.val_split, val_fraction=cfg.val_fraction
-    )
+    return dict(text_field=cfg.text_field, train=cfg.train_split, val=cfg.val_split, val_fraction=cfg.val_fraction)
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -268,7 +275,12 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def cache_key(cfg: DataConfig, tokenizer) -> str:
     return _digest(
-        dict(version=CACHE_VERSION, source=source_fingerprint(cfg), tokenizer=tokenizer.fingerprint, split=_split_rules(cfg))
+        dict(
+            version=CACHE_VERSION,
+            source=source_fingerprint(cfg),
+            tokenizer=tokenizer.fingerprint,
+            split=_split_rules(cfg),
+        )
     )
 
 
@@ -312,8 +324,14 @@ def build_cache(cfg: DataConfig, tokenizer, cache_dir: Path, log: Callable[[str]
     partial.mkdir()
     log(f"tokenising {cfg.source} with the {cfg.tokenizer} tokenizer into {final}")
     dtype = token_dtype(tokenizer.vocab_size)
-    meta = dict(version=CACHE_VERSION, source=cfg.source, tokenizer=tokenizer.fingerprint, dtype=dtype.name,
-                vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)  # fmt: skip
+    meta = dict(
+        version=CACHE_VERSION,
+        source=cfg.source,
+        tokenizer=tokenizer.fingerprint,
+        dtype=dtype.name,
+        vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+    )
     try:
         for name, split in load_splits(cfg).items():
             meta[name] = _tokenise_split(split, cfg.text_field, tokenizer, dtype, partial / f"{name}.bin")
@@ -404,9 +422,10 @@ class Sampler:
 
     def __init__(self, n_windows: int, batch_size: int, seed: int):
         self.n, self.batch_size, self.seed = n_windows, batch_size, seed
+        # a batch straddles at most two epochs: keep their permutations, per sampler
+        self.permutation = functools.lru_cache(maxsize=2)(self._permutation)
 
-    @functools.lru_cache(maxsize=2)
-    def permutation(self, epoch: int) -> np.ndarray:
+    def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.n)
 
     def window_ids(self, step: int, rows: range | None = None) -> np.ndarray:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-
 from transformer import sharding
 from transformer.checkpoint import Checkpointer, read_run_config
 from transformer.config import Config, ConfigError, apply_overrides, from_dict
@@ -50,7 +49,9 @@ def evaluate(
     step, params = restore_params(cfg, workdir, step, trainer)
     data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, workdir, log=lambda _: None)
     if data.vocab_size != cfg.model.vocab_size:
-        raise ConfigError("data.tokenizer", f"gives {data.vocab_size} ids; the model was trained with {cfg.model.vocab_size}")
+        raise ConfigError(
+            "data.tokenizer", f"gives {data.vocab_size} ids; the model was trained with {cfg.model.vocab_size}"
+        )
     data = split_windows(data, split)
     if batches is not None:
         data = dataclasses.replace(data, val_window_ids=data.val_window_ids[: batches * cfg.train.batch_size])
@@ -85,7 +86,8 @@ def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: in
             raise ConfigError("--generate", "an empty prompt: give at least one character")
         if len(ids) > cfg.model.max_seq_len:
             raise ConfigError(
-                "--generate", f"prompt {text[:30]!r}... is {len(ids)} tokens, longer than the context of {cfg.model.max_seq_len}"
+                "--generate",
+                f"prompt {text[:30]!r}... is {len(ids)} tokens, longer than the context of {cfg.model.max_seq_len}",
             )
         longest = len(ids) + sampling.max_new_tokens
         if cfg.model.position == "learned" and longest > cfg.model.max_seq_len:  # no position beyond the table
@@ -97,4 +99,3 @@ def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: in
     _, model = load(workdir, step)
     out = generate(model, encoded, tokenizer.eos_id, tokenizer.pad_id, sampling)
     return [tokenizer.decode(ids) for ids in out]
-

@@ -170,7 +170,7 @@ class Recovery:
         return scale
 
     @classmethod
-    def replay(cls, events_path: Path, resume_step: int = 0) -> "Recovery":
+    def replay(cls, events_path: Path, resume_step: int = 0) -> Recovery:
         """The recovery state of a run resumed at `resume_step`. A fault counts as fired if it fired
         before that step, or if a rollback recovered from it; one that fired after the checkpoint
         and before any rollback (a kill in between) fires again, as it did in the first attempt."""

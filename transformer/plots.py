@@ -61,8 +61,14 @@ def curves(report: Report, key: str, ylabel: str, log_y: bool = False, smooth: b
                 steps, y = run.curve(key)
                 if not len(steps):
                     continue
-                ax.plot(steps * run.tokens_per_step, _smooth(y) if smooth else y, color=color, lw=1.0, alpha=0.85,
-                        label=variant if i == 0 else None)  # fmt: skip
+                ax.plot(
+                    steps * run.tokens_per_step,
+                    _smooth(y) if smooth else y,
+                    color=color,
+                    lw=1.0,
+                    alpha=0.85,
+                    label=variant if i == 0 else None,
+                )
         if report.budget:
             ax.axvline(report.budget, color="0.6", lw=0.8, ls=":")
         ax.set(title=title, xlabel="tokens", ylabel=ylabel)
@@ -129,7 +135,11 @@ def loss_vs_lr(report: Report) -> Figure | None:
         if bad:
             ax.scatter(*zip(*bad), marker="x", s=60, color=color, zorder=3)
     ax.set_xscale("log")
-    ax.set(xlabel="learning rate", ylabel="final loss (capped at initial)", title="loss against learning rate (x: diverged)")
+    ax.set(
+        xlabel="learning rate",
+        ylabel="final loss (capped at initial)",
+        title="loss against learning rate (x: diverged)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, title=", ".join(k.rsplit(".", 1)[-1] for k in others) or None, title_fontsize=7)
     return fig
@@ -139,9 +149,17 @@ def figures(report: Report) -> list[tuple[str, str, Figure]]:
     """(title, file stem, figure) for every plot the data supports."""
     out = [
         ("training loss (EMA) against tokens", "loss", curves(report, "loss", "train loss (nats)")),
-        ("gradient norm against tokens", "grad_norm", curves(report, "grad_norm", "gradient norm", log_y=True, smooth=False)),
+        (
+            "gradient norm against tokens",
+            "grad_norm",
+            curves(report, "grad_norm", "gradient norm", log_y=True, smooth=False),
+        ),
     ]
-    val = curves(report, "val_loss", "validation loss (nats)", smooth=False) if any(r.curve("val_loss")[0].size for r in report.runs) else None
+    val = (
+        curves(report, "val_loss", "validation loss (nats)", smooth=False)
+        if any(r.curve("val_loss")[0].size for r in report.runs)
+        else None
+    )
     for title, stem, fig in (
         ("validation loss against tokens", "val_loss", val),
         ("per-layer statistics at the end", "layers", per_layer(report)),
@@ -160,4 +178,3 @@ def plot_all(report: Report, directory: Path) -> list[tuple[str, Path]]:
         fig.savefig(path, dpi=110)
         saved.append((title, path))
     return saved
-

@@ -26,8 +26,9 @@ import dataclasses
 import html
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class Run:
     events: list[dict]
 
     @classmethod
-    def read(cls, workdir: Path, name: str, variant: str, values: dict, config: Config | None = None) -> "Run":
+    def read(cls, workdir: Path, name: str, variant: str, values: dict, config: Config | None = None) -> Run:
         if (workdir / "config.yaml").is_file():
             config = load_config(workdir / "config.yaml")
         series: dict[str, dict[int, Any]] = {}
@@ -146,7 +147,14 @@ def load_runs(directory: Path) -> tuple[list[Run], list[str], str]:
     dirs = sorted(p.parent for p in directory.glob("*/config.yaml"))
     configs = {d: flatten(load_config(d / "config.yaml").to_dict()) for d in dirs}
     ignore = ("train.seed", "train.steps", "train.eval_every", "logging.", "checkpoint.", "mesh.", "data.cache_dir")
-    keys = sorted({k for c in configs.values() for k in c if not k.startswith(ignore) and len({repr(x.get(k)) for x in configs.values()}) > 1})
+    keys = sorted(
+        {
+            k
+            for c in configs.values()
+            for k in c
+            if not k.startswith(ignore) and len({repr(x.get(k)) for x in configs.values()}) > 1
+        }
+    )
     runs = []
     for d in dirs:
         values = {k: configs[d].get(k) for k in keys}
@@ -236,7 +244,7 @@ def lr_sensitivity(losses: list[float], initial: list[float]) -> float:
     """Wortsman et al. (2023): mean over the LR grid of min(loss(lr), initial loss) minus the best
     loss over the grid. `losses[i]` is the final loss at the i-th learning rate (nan or inf when
     the run diverged), `initial[i]` that run's initial loss."""
-    capped = [min(l, l0) if math.isfinite(l) else l0 for l, l0 in zip(losses, initial)]
+    capped = [min(loss, l0) if math.isfinite(loss) else l0 for loss, l0 in zip(losses, initial)]
     return float(np.mean(capped) - np.min(capped))
 
 
@@ -261,13 +269,19 @@ class Report:
     def aggregate(self, field: str) -> dict[str, tuple[float, float | None]]:
         """Mean and std of a Summary field over each variant's finished runs."""
         return {
-            v: mean_std([float(getattr(self.summaries[r.name], field)) for r in runs if self.summaries[r.name].status in DONE])
+            v: mean_std(
+                [float(getattr(self.summaries[r.name], field)) for r in runs if self.summaries[r.name].status in DONE]
+            )
             for v, runs in self.variants.items()
         }
 
     def _final_loss(self, run: Run) -> float:
         s = self.summaries[run.name]
-        return s.final_val_loss if math.isfinite(s.final_val_loss) or not math.isfinite(s.final_train_loss) else s.final_train_loss
+        return (
+            s.final_val_loss
+            if math.isfinite(s.final_val_loss) or not math.isfinite(s.final_train_loss)
+            else s.final_train_loss
+        )
 
     def sensitivities(self) -> dict[tuple, dict[int, float]]:
         """LR sensitivity for each setting of the other varied keys: {setting: {seed: value}}."""
@@ -363,7 +377,10 @@ def _verdict(report: Report) -> str:
         return f"Too few finished runs to compare {key} for stability."
     # rank over the cells every level has (a partly run sweep must not compare unequal sets)
     common = set.intersection(*(set(c) for c in cells.values())) or None
-    means = {level: float(np.mean([v for cell, v in c.items() if common is None or cell in common])) for level, c in cells.items()}
+    means = {
+        level: float(np.mean([v for cell, v in c.items() if common is None or cell in common]))
+        for level, c in cells.items()
+    }
     ranked = sorted(means, key=means.get)
     best, second = ranked[0], ranked[1]
     shared = sorted(set(cells[best]) & set(cells[second]))
@@ -466,15 +483,32 @@ def write_report(directory: Path, log: Callable[[str], None] = print) -> Path:
         "a run that stalls below its first loss is not counted, but the LR sensitivity charges it.",
     ]
     verdict, best = report.verdict(), report.best_loss_line()
-    md = [f"# Comparison: {directory.name}", "", f"**Verdict.** {verdict}", "", best, "", *notes, "",
-          markdown_table(header, rows), ""]  # fmt: skip
+    md = [
+        f"# Comparison: {directory.name}",
+        "",
+        f"**Verdict.** {verdict}",
+        "",
+        best,
+        "",
+        *notes,
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
     if sens_rows:
-        md += ["## Learning-rate sensitivity (Wortsman et al. 2023)", "",
-               "mean over the LR grid of min(final loss, initial loss) − best final loss; lower is more stable.", "",
-               markdown_table(sens_header, sens_rows), ""]  # fmt: skip
+        md += [
+            "## Learning-rate sensitivity (Wortsman et al. 2023)",
+            "",
+            "mean over the LR grid of min(final loss, initial loss) − best final loss; lower is more stable.",
+            "",
+            markdown_table(sens_header, sens_rows),
+            "",
+        ]
     md += ["## Plots", ""] + [f"![{title}](plots/{path.name})" for title, path in plots] + [""]
     (directory / "report.md").write_text("\n".join(md))
-    (directory / "report.html").write_text(_html(directory.name, verdict, best, notes, (header, rows), (sens_header, sens_rows), plots))
+    (directory / "report.html").write_text(
+        _html(directory.name, verdict, best, notes, (header, rows), (sens_header, sens_rows), plots)
+    )
     log(markdown_table(header, rows))
     log(f"verdict: {verdict}")
     return directory / "report.md"

@@ -32,8 +32,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from transformer.config import ROOT, Config, ConfigError, all_keys, config_changes, flatten, from_dict, load_config
 from transformer.report import DONE, read_events, run_status
@@ -177,7 +178,9 @@ def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = (
             raise SweepError("sweep.seeds", f"expected distinct integers, got {seeds!r}")
     template = spec.get("name")
     if template is not None and not isinstance(template, str):
-        raise SweepError("sweep.name", f"expected a template string such as '{{model.norm_position}}', got {template!r}")
+        raise SweepError(
+            "sweep.name", f"expected a template string such as '{{model.norm_position}}', got {template!r}"
+        )
     if template is not None and "{seed" in template:
         raise SweepError("sweep.name", "the seed is appended to every name as -s<seed>; leave {seed} out")
     compare = spec.get("compare", next((k for k in keys if k != "optim.lr"), keys[0] if keys else ""))
@@ -202,8 +205,9 @@ def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = (
             name = variant + suffix
             if name in names:
                 raise SweepError(
-                    "sweep.name", f"two members are both named {name!r} ({names[name]} and {assigned}); "
-                    "put the varied keys in the name template"
+                    "sweep.name",
+                    f"two members are both named {name!r} ({names[name]} and {assigned}); "
+                    "put the varied keys in the name template",
                 )
             if name in RESERVED:
                 raise SweepError("sweep.name", f"{name!r} is reserved for the sweep's own files; rename the member")
@@ -260,12 +264,15 @@ def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
         run_config = workdir / m.name / "config.yaml"
         if run_config.is_file():
             saved = load_config(run_config)
-            ours = dataclasses.replace(m.config, model=dataclasses.replace(m.config.model, vocab_size=saved.model.vocab_size))
+            ours = dataclasses.replace(
+                m.config, model=dataclasses.replace(m.config.model, vocab_size=saved.model.vocab_size)
+            )
             unsafe, _ = config_changes(saved, ours)
             if unsafe:
                 raise SweepError(
-                    "", f"sweep member {m.name}: {workdir / m.name} holds a run of another config: "
-                    f"{'; '.join(unsafe[:3])}{' ...' if len(unsafe) > 3 else ''}; use a new --workdir"
+                    "",
+                    f"sweep member {m.name}: {workdir / m.name} holds a run of another config: "
+                    f"{'; '.join(unsafe[:3])}{' ...' if len(unsafe) > 3 else ''}; use a new --workdir",
                 )
     (workdir / MEMBERS_DIR).mkdir(parents=True, exist_ok=True)
     for m in sweep.members:
@@ -322,10 +329,13 @@ def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str
                     (workdir / LOGS_DIR).mkdir(exist_ok=True)
                     out = open(workdir / LOGS_DIR / f"{m.name}.log", "a")
                 launched += 1
-                log(f"[{done + launched}/{len(sweep.members)}] {m.name}: {'resuming' if statuses[m.name] == 'interrupted' else 'starting'}")
+                log(
+                    f"[{done + launched}/{len(sweep.members)}] {m.name}: {'resuming' if statuses[m.name] == 'interrupted' else 'starting'}"
+                )
                 # own session: a Ctrl-C reaches the sweep, which passes it on once, as SIGTERM
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
-                                        start_new_session=True)  # fmt: skip
+                proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, start_new_session=True
+                )
                 if out is not None:
                     out.close()
                 running[m.name] = (proc, time.monotonic())

@@ -52,7 +52,7 @@ class RecallTask:
             raise ValueError("train_docs and val_docs must be >= 1")
 
     @classmethod
-    def parse(cls, options: str) -> "RecallTask":
+    def parse(cls, options: str) -> RecallTask:
         """'pairs=8,distance=64' -> RecallTask(pairs=8, distance=64); ValueError names the problem."""
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {}

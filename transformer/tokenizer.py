@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -78,7 +78,9 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIALS):
-        raise TokenizerError(f"data.vocab_size: a byte-level BPE needs at least {256 + len(SPECIALS)} ids, got {vocab_size}")
+        raise TokenizerError(
+            f"data.vocab_size: a byte-level BPE needs at least {256 + len(SPECIALS)} ids, got {vocab_size}"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -13,8 +13,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +55,9 @@ def _per_layer_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.reshape(x.shape[0], -1).astype(jnp.float32)), axis=1) for x in leaves))
 
 
-def default_controls(lr_scale: float = 1.0, loss_limit: float = math.inf, grad_limit: float = math.inf,
-                     nan_grads: bool = False) -> dict:  # fmt: skip
+def default_controls(
+    lr_scale: float = 1.0, loss_limit: float = math.inf, grad_limit: float = math.inf, nan_grads: bool = False
+) -> dict:
     return {
         "lr_scale": np.float32(lr_scale),
         "loss_limit": np.float32(loss_limit),
@@ -88,9 +90,7 @@ class Trainer:
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
         )
-        self.eval_step = jax.jit(
-            self._eval_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated
-        )
+        self.eval_step = jax.jit(self._eval_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated)
         self.stats_step = jax.jit(
             self._stats_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated
         )
@@ -128,9 +128,7 @@ class Trainer:
             lambda x: x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1), batch
         )
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        (grads, nll_sum, count), _ = jax.lax.scan(
-            micro, (zeros, 0.0, 0.0), (micro_batches, jnp.arange(accum))
-        )
+        (grads, nll_sum, count), _ = jax.lax.scan(micro, (zeros, 0.0, 0.0), (micro_batches, jnp.arange(accum)))
         # The objective is a sum over tokens: divide once, so accumulation equals one big batch.
         grads = jax.tree.map(lambda g: g / count, grads)
         grads = jax.tree.map(lambda g: jnp.where(controls["nan_grads"], jnp.nan, g), grads)  # fault injection
@@ -147,7 +145,7 @@ class Trainer:
             & (loss <= controls["loss_limit"])
             & (grad_norm <= controls["grad_limit"])
         )
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         metrics = {
             "loss": loss,
@@ -403,9 +401,17 @@ def train(
             spike_batch = batch_index
             target = rollback_target(anomaly.step)
             action = "rollback" if target is not None else "rollback impossible: no checkpoint before it"
-        writer.event(anomaly.kind, anomaly.step, loss=anomaly.loss, grad_norm=anomaly.grad_norm,
-                     loss_z=anomaly.loss_z, grad_z=anomaly.grad_z, action=action, batch=batch_index,
-                     windows=data.sampler.window_ids(batch_index).tolist())  # fmt: skip
+        writer.event(
+            anomaly.kind,
+            anomaly.step,
+            loss=anomaly.loss,
+            grad_norm=anomaly.grad_norm,
+            loss_z=anomaly.loss_z,
+            grad_z=anomaly.grad_z,
+            action=action,
+            batch=batch_index,
+            windows=data.sampler.window_ids(batch_index).tolist(),
+        )
         writer.scalars(anomaly.step, {"anomaly": 1.0})
         if loop.monitor.nonfinite_run >= cfg.monitor.max_nonfinite:
             raise MonitorStop(
@@ -464,8 +470,15 @@ def train(
         checkpointer.set_aside([s for s in checkpointer.steps() if s > to], "rolledback")
         m = cfg.monitor
         skip = max(m.skip_batches, spike_batch - recovery.batch_index(to) + 1)
-        writer.event("rollback", to, to_step=to, skip_batches=skip, cooldown=m.cooldown,
-                     lr_factor=m.lr_factor, rollbacks=recovery.rollbacks + 1)  # fmt: skip
+        writer.event(
+            "rollback",
+            to,
+            to_step=to,
+            skip_batches=skip,
+            cooldown=m.cooldown,
+            lr_factor=m.lr_factor,
+            rollbacks=recovery.rollbacks + 1,
+        )
         recovery.rollback(to, skip, m.cooldown, m.lr_factor)
         loop.monitor = Monitor(m, meta.get("monitor"))
         pending.clear()
@@ -516,6 +529,7 @@ def train(
         writer.close()
     return RunResult(train_loss, val, tokens_per_s, mfu, cfg.train.steps, state.params)
 
+
 def with_vocab(cfg: Config, vocab_size: int) -> Config:
     """The run's config with the model's vocabulary taken from the tokenizer."""
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
@@ -564,17 +578,15 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
     lead = jax.process_index() == 0
     sharding.mesh_shape(cfg, jax.device_count())  # refuse an impossible mesh before any work
     ckpt_dir = workdir / CHECKPOINT_DIR
-    resuming = (workdir / "config.yaml").is_file() and ckpt_dir.is_dir() and any(
-        p.name.isdigit() for p in ckpt_dir.iterdir()
+    resuming = (
+        (workdir / "config.yaml").is_file() and ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
     )
     safe_changes: list[str] = []
     if resuming:
         saved = read_run_config(workdir)
         unsafe, safe_changes = config_changes(saved, with_vocab(cfg, saved.model.vocab_size))
         if unsafe:
-            raise ConfigError(
-                "", f"cannot resume {workdir}: the config changes what was trained: {'; '.join(unsafe)}"
-            )
+            raise ConfigError("", f"cannot resume {workdir}: the config changes what was trained: {'; '.join(unsafe)}")
     elif (workdir / "metrics.jsonl").exists():
         raise ConfigError("", f"{workdir} holds a run without checkpoints to resume from; use a new --workdir")
     check_writable(ckpt_dir)
@@ -611,8 +623,17 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
         (workdir / "config.yaml").write_text(cfg.to_yaml())
     try:
         with StopSignal() as stop:
-            result = train(cfg, data, workdir, mesh, log, checkpointer=checkpointer, start=start, stop=stop,
-                           monitor_state=monitor_state)  # fmt: skip
+            result = train(
+                cfg,
+                data,
+                workdir,
+                mesh,
+                log,
+                checkpointer=checkpointer,
+                start=start,
+                stop=stop,
+                monitor_state=monitor_state,
+            )
     finally:
         checkpointer.close()
     if lead:

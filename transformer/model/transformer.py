@@ -44,8 +44,7 @@ class Block(nnx.Module):
                 return norm(self.cfg.residual_alpha * x + dropout(sublayer(x), rate, key))
         raise AssertionError(self.cfg.norm_position)
 
-    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, window, key=None, cache=None, index=0,
-                 collect=False):  # fmt: skip
+    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, window, key=None, cache=None, index=0, collect=False):
         """The block's output; with a KV `cache` (decoding), (output, updated cache). With `collect`,
         statistics are sown as nnx.Intermediate (attention logits and entropy, residual RMS)."""
         keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
@@ -112,8 +111,9 @@ class Transformer(nnx.Module):
             module = nnx.merge(graphdef, state_l)
             if not collect:
                 return module(x, positions_BxT, segment_ids_BxT, window, key_l), {}
-            forward = nnx.capture(lambda m: m(x, positions_BxT, segment_ids_BxT, window, key_l, collect=True),
-                                  nnx.Intermediate)  # fmt: skip
+            forward = nnx.capture(
+                lambda m: m(x, positions_BxT, segment_ids_BxT, window, key_l, collect=True), nnx.Intermediate
+            )
             x, sown = forward(module)
             # what the block sowed, by name; each value is a one-element tuple
             return x, {path[-1]: value.get_value()[0] for path, value in nnx.to_flat_state(sown)}
@@ -127,18 +127,18 @@ class Transformer(nnx.Module):
             step = remat(block, (3,))
             per_layer = []
             for i in range(cfg.n_layers):
-                state_l = jax.tree.map(lambda a: a[i], state)
+                state_l = jax.tree.map(lambda a, i=i: a[i], state)
                 x_BxTxD, stats = step(x_BxTxD, state_l, None if keys_L is None else keys_L[i], windows[i])
                 per_layer.append(stats)
             stats_L = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
         elif len(set(windows)) == 1:  # one window for every layer: keep it static
             step = remat(block, (3,))
-            body = lambda x, xs: step(x, *xs, windows[0])  # noqa: E731
+            body = lambda x, xs: step(x, *xs, windows[0])
             x_BxTxD, stats_L = jax.lax.scan(body, x_BxTxD, (state, keys_L))
         else:  # a per-layer pattern: the window becomes a scanned value
             step = remat(block, ())
             windows_L = jnp.asarray([GLOBAL_WINDOW if w is None else w for w in windows], jnp.int32)
-            body = lambda x, xs: step(x, *xs)  # noqa: E731
+            body = lambda x, xs: step(x, *xs)
             x_BxTxD, stats_L = jax.lax.scan(body, x_BxTxD, (state, keys_L, windows_L))
         if self.final_norm is not None:
             x_BxTxD = self.final_norm(x_BxTxD)
@@ -187,7 +187,7 @@ class Transformer(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
         new_cache = []
         for i, window in enumerate(cfg.layer_windows):  # unrolled: layers may hold caches of different sizes
-            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+            block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
             x_BxTxD, layer_cache = block(x_BxTxD, positions_BxT, None, window, None, cache[i], index)
             new_cache.append(layer_cache)
         if self.final_norm is not None:
