@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from transformer import rundir
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 
@@ -62,19 +63,12 @@ def write_corpus(path: Path, seed: int, n: int = 300) -> Path:
 
 
 def logged(workdir: Path, key: str) -> dict[int, float]:
-    """{step: value} of one metric in a run's metrics.jsonl; the last line for a step wins (a rollback
+    """{step: value} of one metric in a run's metrics; the last record for a step wins (a rollback
     logs the abandoned steps first)."""
-    out = {}
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if key in record:
-            out[record["step"]] = record[key]
-    return out
+    return rundir.metric_series(workdir).get(key, {})
 
 
-def read_events(workdir: Path, kind: str | None = None) -> list[dict]:
-    records = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
-    return [e for e in records if kind is None or e["event"] == kind]
+read_events = rundir.read_events
 
 
 # A finished tiny sweep (Pre-LN and Post-LN over two learning rates) shared by the sweep, report and

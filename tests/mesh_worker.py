@@ -12,7 +12,7 @@ import jax
 from transformer import sharding
 from transformer.config import load_config
 from transformer.data import prepare
-from transformer.trainer import Trainer, train, with_vocab
+from transformer.trainer import Trainer, train
 
 
 def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
@@ -43,7 +43,7 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
             ],
         )
         data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
-        cfg = with_vocab(cfg, data.vocab_size)
+        cfg = cfg.with_vocab(data.vocab_size)
         mesh = sharding.make_mesh(cfg, jax.devices()[:n])
         losses = []
         train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda step, m, out=losses: out.append(m["loss"]))

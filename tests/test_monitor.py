@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from conftest import ROOT, logged, read_events, write_corpus
 
-from transformer import sharding
+from transformer import rundir, sharding
 from transformer.config import MonitorConfig, load_config
 from transformer.data import prepare
 from transformer.monitor import Monitor, MonitorStop, Recovery
-from transformer.trainer import Trainer, default_controls, run, with_vocab
+from transformer.trainer import Trainer, default_controls, run
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +104,14 @@ def test_skip_limits_count_only_steps_up_to_the_asked_one():
 
 
 def test_recovery_replay_skips_cooldowns_and_faults(tmp_path):
-    journal = tmp_path / "events.jsonl"
+    journal = tmp_path / rundir.EVENTS
     lines = [
         {"event": "fault", "step": 50, "fault": "lr"},
         {"event": "rollback", "step": 40, "to_step": 40, "skip_batches": 20, "cooldown": 10, "lr_factor": 0.5},
         {"event": "rollback", "step": 30, "to_step": 30, "skip_batches": 5, "cooldown": 0, "lr_factor": 1.0},
     ]
     journal.write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"event": "roll')  # a torn last line
-    recovery = Recovery.replay(journal)
+    recovery = Recovery.replay(rundir.read_events(tmp_path))
     assert recovery.rollbacks == 2 and recovery.fired == {"lr"}
     # the second rollback (to 30) abandoned what the first recorded at 40
     assert recovery.skips == [(30, 5)] and recovery.cooldowns == []
@@ -149,10 +149,12 @@ def test_a_step_the_jit_did_not_apply_is_a_spike():
 
 
 def test_fault_replay_after_a_kill(tmp_path):
-    journal = tmp_path / "events.jsonl"
+    journal = tmp_path / rundir.EVENTS
     journal.write_text(json.dumps({"event": "fault", "step": 40, "fault": "lr"}) + "\n")
-    assert Recovery.replay(journal, resume_step=41).fired == {"lr"}  # in the checkpoint's past
-    assert Recovery.replay(journal, resume_step=40).fired == set()  # killed before it was dealt with: again
+    assert Recovery.replay(rundir.read_events(tmp_path), resume_step=41).fired == {"lr"}  # in the checkpoint's past
+    assert (
+        Recovery.replay(rundir.read_events(tmp_path), resume_step=40).fired == set()
+    )  # killed before it was dealt with: again
     with open(journal, "a") as f:
         f.write(
             json.dumps(
@@ -160,7 +162,7 @@ def test_fault_replay_after_a_kill(tmp_path):
             )
             + "\n"
         )
-    assert Recovery.replay(journal, resume_step=40).fired == {"lr"}  # recovered from: never again
+    assert Recovery.replay(rundir.read_events(tmp_path), resume_step=40).fired == {"lr"}  # recovered from: never again
 
 
 # --- in the jitted step --------------------------------------------------------------------------
@@ -170,7 +172,7 @@ def test_fault_replay_after_a_kill(tmp_path):
 def stepper(corpus, tmp_path_factory):
     cfg = load_config(None, args(corpus, tmp_path_factory.mktemp("cache")))
     data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
-    cfg = with_vocab(cfg, data.vocab_size)
+    cfg = cfg.with_vocab(data.vocab_size)
     trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
     return trainer, data
 

@@ -12,7 +12,8 @@ from conftest import ROOT, TINY_SWEEP, read_events
 
 from transformer.config import ConfigError, load_config, load_raw
 from transformer.model.summary import flops_per_token
-from transformer.sweep import DONE, SweepError, expand, member_status
+from transformer.rundir import FINAL, status
+from transformer.sweep import SweepError, expand
 
 BASE = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4}, "train": {"steps": 10}}
 
@@ -196,16 +197,16 @@ def test_cli_print_commands_and_dry_run(tmp_path):
 
 
 def test_member_status_reads_the_events(tmp_path):
-    assert member_status(tmp_path / "none") == "pending"
+    assert status(tmp_path / "none") == "pending"
     events = tmp_path / "events.jsonl"
     events.write_text('{"event": "start", "step": 0}\n')
-    assert member_status(tmp_path) == "interrupted"
+    assert status(tmp_path) == "interrupted"
     events.write_text('{"event": "start", "step": 0}\n{"event": "end", "step": 9}\n{"event": "start", "st')
-    assert member_status(tmp_path) == "finished"  # a torn last line is ignored
-    assert member_status(tmp_path, steps=9) == "finished"
-    assert member_status(tmp_path, steps=20) == "interrupted"  # train.steps raised: it continues
+    assert status(tmp_path) == "finished"  # a torn last line is ignored
+    assert status(tmp_path, steps=9) == "finished"
+    assert status(tmp_path, steps=20) == "interrupted"  # train.steps raised: it continues
     events.write_text('{"event": "start", "step": 0}\n{"event": "stopped", "step": 4}\n')
-    assert member_status(tmp_path) == "stopped" and "stopped" in DONE
+    assert status(tmp_path) == "stopped" and "stopped" in FINAL
 
 
 @pytest.mark.xdist_group("sweep")
@@ -292,6 +293,6 @@ def test_a_signal_stops_the_sweep_with_the_running_member_checkpointed(tmp_path)
     assert proc.returncode == 75, out
     (preempted,) = read_events(first, "preempted")
     assert preempted["checkpoint"] == preempted["step"] > 0  # the newest state is on disk
-    assert member_status(first) == "interrupted"
+    assert status(first) == "interrupted"
     assert not (runs / "lr-0.01").exists()  # nothing more was started
     assert "run the same command to resume" in out

@@ -18,7 +18,7 @@ from transformer import sharding
 from transformer.config import ConfigError, OptimConfig, load_config
 from transformer.data import prepare
 from transformer.optim import decay_mask, schedule
-from transformer.trainer import cross_entropy, train, with_vocab
+from transformer.trainer import cross_entropy, train
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +52,7 @@ def tiny_run(corpus: Path, cache: Path, *overrides: str):
 
 def run_tiny(cfg):
     data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
-    cfg = with_vocab(cfg, data.vocab_size)
+    cfg = cfg.with_vocab(data.vocab_size)
     mesh = sharding.make_mesh(cfg, jax.devices()[:1])
     losses = []
     result = train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda s, m: losses.append(m["loss"]))

@@ -17,19 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import yaml
 
-from transformer.config import CheckpointConfig, Config, ConfigError, from_dict
-
-CHECKPOINT_DIR = "checkpoints"
+from transformer import rundir
+from transformer.config import CheckpointConfig, Config, ConfigError
+from transformer.errors import first_line
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint problem that stops the run (exit 1): nothing valid to resume from, a failed save."""
-
-
-def read_run_config(workdir: Path) -> Config:
-    return from_dict(yaml.safe_load((workdir / "config.yaml").read_text()))
 
 
 def check_writable(directory: Path) -> None:
@@ -56,7 +51,7 @@ class Checkpointer:
         ocp = _ocp()
         from orbax.checkpoint import checkpoint_managers as policies
 
-        self.directory = Path(workdir) / CHECKPOINT_DIR
+        self.directory = Path(workdir) / rundir.CHECKPOINTS
         keep = [policies.LatestN(cfg.keep)]
         if cfg.keep_best:
             keep.append(
@@ -104,13 +99,15 @@ class Checkpointer:
             if wait:
                 self.manager.wait_until_finished()
         except Exception as e:  # disk full, permissions changed under us, ...
-            raise CheckpointError(f"saving the checkpoint of step {step} failed: {_first_line(e)}") from None
+            raise CheckpointError(
+                f"saving the checkpoint of step {step} failed: {first_line(e, with_type=True)}"
+            ) from None
 
     def wait(self) -> None:
         try:
             self.manager.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(f"finishing a checkpoint write failed: {_first_line(e)}") from None
+            raise CheckpointError(f"finishing a checkpoint write failed: {first_line(e, with_type=True)}") from None
 
     def restore(self, abstract_state: dict, step: int | None = None, on_bad: Callable[[int, str], None] | None = None):
         """(step, state, meta) of `step`, or of the latest checkpoint that restores cleanly, trying
@@ -128,10 +125,10 @@ class Checkpointer:
                 )
                 _check_complete(restored["state"], abstract_state)
             except Exception as e:
-                problems.append(f"step {s}: {_first_line(e)}")
+                problems.append(f"step {s}: {first_line(e, with_type=True)}")
                 bad.append(s)
                 if on_bad is not None:
-                    on_bad(s, _first_line(e))
+                    on_bad(s, first_line(e, with_type=True))
                 continue
             self.set_aside([b for b in bad if b > s], "corrupt")
             return s, restored["state"], restored["meta"]
@@ -180,11 +177,6 @@ def _check_complete(state, abstract_state) -> None:
             raise ValueError(f"shape {a.shape} where the model has {b.shape}")
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
 def state_is_finite(metrics: dict) -> bool:
     """The step's loss and parameter norm are finite: its parameters may be saved."""
     return all(math.isfinite(float(metrics[k])) for k in ("loss", "param_norm") if k in metrics)
@@ -200,9 +192,9 @@ def load(workdir: str | Path, step: int | None = None):
     from transformer.model import Transformer
 
     workdir = Path(workdir)
-    if not (workdir / "config.yaml").is_file():
-        raise CheckpointError(f"{workdir} holds no run (no config.yaml)")
-    cfg = read_run_config(workdir)
+    if not rundir.has_config(workdir):
+        raise CheckpointError(f"{workdir} holds no run (no {rundir.CONFIG})")
+    cfg = rundir.read_config(workdir)
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
     params_shape = nnx.to_pure_dict(abstract_params)

@@ -11,10 +11,7 @@ import time
 from pathlib import Path
 
 from transformer.config import ConfigError, load_config
-
-EXIT_FAILED = 1  # the run could not go on: no usable checkpoint, a failed save, the monitor gave up
-EXIT_USAGE = 2  # a user mistake: config, arguments, data, an unsafe change on resume
-EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL: run it again)
+from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -164,12 +161,14 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def _compare_main(directory: Path) -> int:
+    from transformer import rundir
     from transformer.report import write_report
+    from transformer.sweep import MANIFEST
 
     if not directory.is_dir():
         _fail("eval.py", f"--compare: {directory} is not a directory")
-    if not (directory / "sweep.json").is_file() and not any(directory.glob("*/config.yaml")):
-        _fail("eval.py", f"--compare: {directory} holds no sweep (sweep.json) and no runs (*/config.yaml)")
+    if not (directory / MANIFEST).is_file() and not any(directory.glob(f"*/{rundir.CONFIG}")):
+        _fail("eval.py", f"--compare: {directory} holds no sweep ({MANIFEST}) and no runs (*/{rundir.CONFIG})")
     try:
         path = write_report(directory)
     except ConfigError as e:

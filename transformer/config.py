@@ -427,6 +427,10 @@ class Config:
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)
 
+    def with_vocab(self, vocab_size: int) -> Config:
+        """This config with the model's vocabulary taken from the tokenizer."""
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab_size))
+
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
 

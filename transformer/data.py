@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from transformer.config import DataConfig
+from transformer.errors import first_line
+from transformer.rundir import atomic_write
 from transformer.synthetic import RecallTask
 from transformer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_pretrained, train_bpe
 
@@ -89,11 +91,6 @@ def source_fingerprint(cfg: DataConfig) -> str:
     )
 
 
-def _first_line(e: Exception) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
 def _documents_from_files(cfg: DataConfig):
     import datasets
 
@@ -103,7 +100,7 @@ def _documents_from_files(cfg: DataConfig):
         try:
             return datasets.load_from_disk(str(path))
         except Exception as e:  # damaged, or a layout this datasets version cannot read back
-            raise DataError(f"data.source: cannot read {cfg.source}: {_first_line(e)}") from None
+            raise DataError(f"data.source: cannot read {cfg.source}: {first_line(e)}") from None
     files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(arg)
     if not files:
         raise DataError(f"data.source: {cfg.source} matches no file")
@@ -122,7 +119,7 @@ def _documents_from_files(cfg: DataConfig):
     try:
         return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, **options)
     except Exception as e:
-        raise DataError(f"data.source: cannot read {cfg.source}: {_first_line(e)}") from None
+        raise DataError(f"data.source: cannot read {cfg.source}: {first_line(e)}") from None
 
 
 def _documents_from_hub(cfg: DataConfig):
@@ -132,7 +129,7 @@ def _documents_from_hub(cfg: DataConfig):
     try:
         return datasets.load_dataset(name, config or None)
     except Exception as e:
-        text = _first_line(e)
+        text = first_line(e)
         words = ("offline", "connection", "resolve", "internet", "network")
         offline = isinstance(e, ConnectionError) or any(w in text.lower() for w in words)  # "Couldn't reach"
         hint = " (offline?); download it where the hub is reachable, save it, and use files:PATH" if offline else ""
@@ -239,10 +236,10 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> By
                 tok = train_bpe(_prefix(texts, BPE_TRAIN_BYTES), cfg.vocab_size)
             except TokenizerError as e:
                 raise DataError(str(e)) from None
-            _atomic_write(saved, tok.json_text)
+            atomic_write(saved, tok.json_text)
     if workdir is not None and not (workdir / TOKENIZER_FILE).is_file() and isinstance(tok, HFTokenizer):
         workdir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(workdir / TOKENIZER_FILE, tok.json_text)
+        atomic_write(workdir / TOKENIZER_FILE, tok.json_text)
     return tok
 
 
@@ -264,13 +261,6 @@ def _digest(obj) -> str:
 
 def _split_rules(cfg: DataConfig) -> dict:
     return dict(text_field=cfg.text_field, train=cfg.train_split, val=cfg.val_split, val_fraction=cfg.val_fraction)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def cache_key(cfg: DataConfig, tokenizer) -> str:

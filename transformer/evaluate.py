@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from transformer import sharding
-from transformer.checkpoint import Checkpointer, read_run_config
+from transformer import rundir, sharding
+from transformer.checkpoint import Checkpointer
 from transformer.config import Config, ConfigError, apply_overrides, from_dict
 from transformer.data import Data, prepare
 from transformer.generate import SamplingConfig, generate
@@ -15,9 +15,9 @@ from transformer.trainer import Trainer
 
 def run_config(workdir: Path, overrides: list[str]) -> Config:
     """The run's resolved config, with overrides (another dataset, another mesh) applied."""
-    if not (workdir / "config.yaml").is_file():
-        raise ConfigError("--workdir", f"{workdir} holds no run (no config.yaml)")
-    return from_dict(apply_overrides(read_run_config(workdir).to_dict(), overrides))
+    if not rundir.has_config(workdir):
+        raise ConfigError("--workdir", f"{workdir} holds no run (no {rundir.CONFIG})")
+    return from_dict(apply_overrides(rundir.read_config(workdir).to_dict(), overrides))
 
 
 def restore_params(cfg: Config, workdir: Path, step: int | None, trainer: Trainer) -> tuple[int, dict]:

@@ -11,17 +11,15 @@ Recovery (`monitor.on_spike`): `log` records; `skip` hands limits to the jitted 
 updates above them (moments untouched); `rollback` restores the last checkpoint before the spike,
 skips `monitor.skip_batches` data batches and optionally cools the learning rate down.
 
-What recovery did must survive rollbacks, kills and resumes, so it is journaled in `events.jsonl`
+What recovery did must survive rollbacks, kills and resumes, so it is journaled in the run's events
 (`rollback`, `fault`) and replayed from there; the statistics window travels in checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections import deque
-from pathlib import Path
 
 from transformer.config import MonitorConfig
 
@@ -170,19 +168,13 @@ class Recovery:
         return scale
 
     @classmethod
-    def replay(cls, events_path: Path, resume_step: int = 0) -> Recovery:
+    def replay(cls, events: list[dict], resume_step: int = 0) -> Recovery:
         """The recovery state of a run resumed at `resume_step`. A fault counts as fired if it fired
         before that step, or if a rollback recovered from it; one that fired after the checkpoint
         and before any rollback (a kill in between) fires again, as it did in the first attempt."""
         recovery = cls()
-        if not events_path.exists():
-            return recovery
         unresolved = {}
-        for line in events_path.read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # a torn last line from a kill
+        for event in events:
             if event.get("event") == "rollback":
                 recovery.rollback(event["to_step"], event["skip_batches"], event["cooldown"], event["lr_factor"])
                 recovery.fired |= set(unresolved)

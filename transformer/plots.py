@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from transformer.report import DONE, LR_KEY, Report, _text
+from transformer.report import LR_KEY, Report, _text
+from transformer.rundir import FINAL
 
 FACET_ABOVE = 8  # more variants than this: one panel per level of the compared key
 
@@ -117,7 +118,7 @@ def loss_vs_lr(report: Report) -> Figure | None:
     lines: dict[str, dict[float, list[tuple[float, bool]]]] = {}
     for run in report.runs:
         s = report.summaries[run.name]
-        if s.status not in DONE:
+        if s.status not in FINAL:
             continue
         final = report._final_loss(run)
         capped = min(final, s.initial_loss) if math.isfinite(final) else s.initial_loss

@@ -4,9 +4,9 @@
 run directories side by side — and writes DIR/report.md, DIR/report.html (plots embedded) and the
 plots as DIR/plots/*.png. Every number comes from the runs' own files:
 
-- metrics.jsonl, last record per step and key (after a rollback the abandoned steps come first);
-- events.jsonl: spikes, rollbacks, divergence, a monitor stop;
-- config.yaml: parameters and tokens per step.
+- the metrics, last record per step and key (after a rollback the abandoned steps come first);
+- the events: spikes, rollbacks, divergence, a monitor stop;
+- the resolved config: parameters and tokens per step.
 
 Definitions (the report states them too):
 - final train loss: the last logged training loss; best val loss / bits per byte: the minimum over
@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from transformer import rundir
 from transformer.config import Config, flatten, load_config
 
 LR_KEY = "optim.lr"
-DONE = ("finished", "stopped")  # runs whose numbers are final; running or interrupted ones are left out
 SPIKES = ("spike", "nonfinite")
 BUDGET_TAIL = 0.1  # the loss at a token budget averages the logged losses over its last 10%
 
@@ -62,16 +62,11 @@ class Run:
 
     @classmethod
     def read(cls, workdir: Path, name: str, variant: str, values: dict, config: Config | None = None) -> Run:
-        if (workdir / "config.yaml").is_file():
-            config = load_config(workdir / "config.yaml")
-        series: dict[str, dict[int, Any]] = {}
-        for record in map(_json, _lines(workdir / "metrics.jsonl")):
-            if not isinstance(record, dict) or "step" not in record:
-                continue
-            step = int(record.pop("step"))
-            for key, value in record.items():
-                series.setdefault(key, {})[step] = value
-        return cls(name, variant, config.train.seed, values, config, series, read_events(workdir))
+        if rundir.has_config(workdir):
+            config = rundir.read_config(workdir)
+        assert config is not None, f"{workdir}: no config"
+        series = rundir.metric_series(workdir)
+        return cls(name, variant, config.train.seed, values, config, series, rundir.read_events(workdir))
 
     def curve(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) of one scalar metric, in step order."""
@@ -92,41 +87,7 @@ class Run:
 
     @property
     def status(self) -> str:
-        return run_status(self.events, self.config.train.steps)
-
-
-def read_events(workdir: Path) -> list[dict]:
-    """A run's events.jsonl; a torn last line (a crash mid-write) is left out."""
-    return [e for e in map(_json, _lines(workdir / "events.jsonl")) if isinstance(e, dict) and "event" in e]
-
-
-def run_status(events: list[dict], steps: int | None = None) -> str:
-    """'pending' (never started), 'finished' (trained to `steps`, when given), 'stopped' (by the
-    monitor), or 'interrupted'. A run that ended short of `steps` (train.steps was raised since) is
-    'interrupted': running it again continues it from its last checkpoint."""
-    status = "pending"
-    for e in events:
-        if e["event"] == "start":
-            status = "interrupted"
-        elif e["event"] == "end":
-            status = "finished" if steps is None or e.get("step", 0) >= steps else "interrupted"
-        elif e["event"] == "stopped":
-            status = "stopped"
-    return status
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text().splitlines()
-    except OSError:
-        return []
-
-
-def _json(line: str):
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None  # a torn last line from a crash
+        return rundir.run_status(self.events, self.config.train.steps)
 
 
 def load_runs(directory: Path) -> tuple[list[Run], list[str], str]:
@@ -138,14 +99,14 @@ def load_runs(directory: Path) -> tuple[list[Run], list[str], str]:
         for m in manifest["members"]:
             member_config = directory / "members" / f"{m['name']}.yaml"
             config = load_config(member_config) if member_config.is_file() else None
-            if config is None and not (directory / m["name"] / "config.yaml").is_file():
+            if config is None and not rundir.has_config(directory / m["name"]):
                 continue
             values = {**m["labels"], **m["values"]}
             runs.append(Run.read(directory / m["name"], m["name"], m["variant"], values, config))
         return runs, list(manifest["keys"]), manifest["compare"]
     # Any run directories side by side: the varied keys are those whose values differ.
-    dirs = sorted(p.parent for p in directory.glob("*/config.yaml"))
-    configs = {d: flatten(load_config(d / "config.yaml").to_dict()) for d in dirs}
+    dirs = sorted(p.parent for p in directory.glob(f"*/{rundir.CONFIG}"))
+    configs = {d: flatten(rundir.read_config(d).to_dict()) for d in dirs}
     ignore = ("train.seed", "train.steps", "train.eval_every", "logging.", "checkpoint.", "mesh.", "data.cache_dir")
     keys = sorted(
         {
@@ -270,7 +231,11 @@ class Report:
         """Mean and std of a Summary field over each variant's finished runs."""
         return {
             v: mean_std(
-                [float(getattr(self.summaries[r.name], field)) for r in runs if self.summaries[r.name].status in DONE]
+                [
+                    float(getattr(self.summaries[r.name], field))
+                    for r in runs
+                    if self.summaries[r.name].status in rundir.FINAL
+                ]
             )
             for v, runs in self.variants.items()
         }
@@ -296,7 +261,7 @@ class Report:
         for setting, by_seed in cells.items():
             values = {}
             for seed, runs in by_seed.items():
-                finished = [r for r in runs if self.summaries[r.name].status in DONE]
+                finished = [r for r in runs if self.summaries[r.name].status in rundir.FINAL]
                 if len(finished) < 2:
                     continue  # one learning rate says nothing about sensitivity
                 losses = [self._final_loss(r) for r in finished]
@@ -368,7 +333,7 @@ def _verdict(report: Report) -> str:
         measure, unit = "spikes + divergences", "events"
         for run in report.runs:
             s = report.summaries[run.name]
-            if s.status not in DONE:
+            if s.status not in rundir.FINAL:
                 continue
             level = _hashable(run.values.get(key))
             rest = tuple(_hashable(run.values.get(k)) for k in others) + (run.seed,)
@@ -433,7 +398,7 @@ def table(report: Report) -> tuple[list[str], list[list[str]]]:
     rows = []
     for variant, runs in report.variants.items():
         first = runs[0].values
-        done = [r for r in runs if report.summaries[r.name].status in DONE]
+        done = [r for r in runs if report.summaries[r.name].status in rundir.FINAL]
         row = [_text(first.get(k)) for k in keys] + [f"{len(done)}/{len(runs)}"]
         row += [_cell(*stats[field][variant], fmt) for _, field, fmt in COLUMNS]
         row.append(f"{sum(report.summaries[r.name].diverged for r in done)}/{len(done)}")

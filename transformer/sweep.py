@@ -36,8 +36,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformer.config import ROOT, Config, ConfigError, all_keys, config_changes, flatten, from_dict, load_config
-from transformer.report import DONE, read_events, run_status
+from transformer import rundir
+from transformer.config import ROOT, Config, ConfigError, all_keys, config_changes, flatten, from_dict
+from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
+from transformer.rundir import FINAL, atomic_write, read_events
 
 SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare")
 MANIFEST = "sweep.json"
@@ -241,11 +243,6 @@ def _default_name(assigned: dict) -> str:
 # --- running -------------------------------------------------------------------------------------
 
 
-def member_status(workdir: Path, steps: int | None = None) -> str:
-    """The status (report.run_status) of the run in `workdir`, judged against `steps`."""
-    return run_status(read_events(workdir), steps)
-
-
 def _relative(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
@@ -261,13 +258,9 @@ def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
     """Write the manifest and member configs; refuse (before running anything) a member whose run
     directory holds a run of a different config. Returns each member's status."""
     for m in sweep.members:
-        run_config = workdir / m.name / "config.yaml"
-        if run_config.is_file():
-            saved = load_config(run_config)
-            ours = dataclasses.replace(
-                m.config, model=dataclasses.replace(m.config.model, vocab_size=saved.model.vocab_size)
-            )
-            unsafe, _ = config_changes(saved, ours)
+        if rundir.has_config(workdir / m.name):
+            saved = rundir.read_config(workdir / m.name)
+            unsafe, _ = config_changes(saved, m.config.with_vocab(saved.model.vocab_size))
             if unsafe:
                 raise SweepError(
                     "",
@@ -276,21 +269,15 @@ def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
                 )
     (workdir / MEMBERS_DIR).mkdir(parents=True, exist_ok=True)
     for m in sweep.members:
-        _atomic_write(workdir / MEMBERS_DIR / f"{m.name}.yaml", m.config.to_yaml())
-    _atomic_write(workdir / MANIFEST, json.dumps(sweep.manifest(), indent=1))
-    return {m.name: member_status(workdir / m.name, m.config.train.steps) for m in sweep.members}
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+        atomic_write(workdir / MEMBERS_DIR / f"{m.name}.yaml", m.config.to_yaml())
+    atomic_write(workdir / MANIFEST, json.dumps(sweep.manifest(), indent=1))
+    return {m.name: rundir.status(workdir / m.name, m.config.train.steps) for m in sweep.members}
 
 
 def print_commands(sweep: Sweep, workdir: Path, log: Callable[[str], None] = print) -> None:
     statuses = prepare(sweep, workdir)
     for m in sweep.members:
-        if statuses[m.name] not in DONE:
+        if statuses[m.name] not in FINAL:
             log(shlex.join(command(workdir / MEMBERS_DIR / f"{m.name}.yaml", workdir / m.name)))
     log(f"# then: python eval.py --compare {shlex.quote(_relative(workdir))}")
 
@@ -300,7 +287,7 @@ def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str
     code: 0 when every member finished (or was stopped by the monitor), 75 when interrupted by a
     signal (run the same command to go on), 1 when a member failed."""
     statuses = prepare(sweep, workdir)
-    todo = [m for m in sweep.members if statuses[m.name] not in DONE]
+    todo = [m for m in sweep.members if statuses[m.name] not in FINAL]
     done = len(sweep.members) - len(todo)
     mode = "one at a time" if parallel == 1 else f"{parallel} at a time"
     log(f"sweep {workdir}: {len(sweep.members)} members; {done} already done, {len(todo)} to run, {mode}")
@@ -347,18 +334,18 @@ def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str
                 if rc is None:
                     continue
                 del running[name]
-                status = member_status(workdir / name, steps[name])
+                status = rundir.status(workdir / name, steps[name])
                 seconds = time.monotonic() - started
-                if rc == 0 or status in DONE:
+                if rc == 0 or status in FINAL:
                     log(f"  {name}: {status} in {seconds:.0f} s{_summary(workdir / name)}")
-                elif rc == 75:
+                elif rc == EXIT_PREEMPTED:
                     preempted.append(name)
                     log(f"  {name}: preempted after {seconds:.0f} s; it resumes when the sweep is run again")
                 else:
                     failed.append(name)
                     where = f"; see {_relative(workdir / LOGS_DIR / (name + '.log'))}" if parallel > 1 else ""
                     log(f"  {name}: failed (exit {rc}) after {seconds:.0f} s{where}")
-                    if rc == 2 and pending:  # a user mistake (config, data) would repeat in every member
+                    if rc == EXIT_USAGE and pending:  # a user mistake (config, data) would repeat in every member
                         log(f"  not starting the {len(pending)} remaining member(s): exit 2 is a user mistake")
                         pending.clear()
     finally:
@@ -366,20 +353,20 @@ def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str
             signal.signal(s, handler)
     if signals or preempted:
         log(f"sweep interrupted: run the same command to resume ({len(preempted)} member(s) preempted)")
-        return 75
+        return EXIT_PREEMPTED
     from transformer.report import write_report
 
     report = write_report(workdir, log=log)
     log(f"report: {_relative(report)}")
     if failed:
         log(f"sweep: {len(failed)} member(s) failed: {', '.join(failed)}")
-        return 1
+        return EXIT_FAILED
     return 0
 
 
 def _summary(workdir: Path) -> str:
     """', val loss 1.234' from a finished member's end event, if it has one."""
-    ends = [e for e in read_events(workdir) if e["event"] == "end"]
+    ends = read_events(workdir, "end")
     try:
         return f", val loss {float(ends[-1]['val_loss']):.4f}"
     except (IndexError, KeyError, ValueError, TypeError):

@@ -9,7 +9,6 @@ the model inside the step, so optax, orbax and the sharding table all see ordina
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -23,13 +22,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from transformer import sharding
+from transformer import rundir, sharding
 from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data
-from transformer.metrics import Progress, RunWriter, device_peak_flops
+from transformer.metrics import Progress, device_peak_flops
 from transformer.model import Transformer
 from transformer.model.summary import count_params, flops_per_token
 from transformer.optim import make_optimizer, schedule
+from transformer.rundir import RunWriter
 
 
 class TrainState(NamedTuple):
@@ -242,7 +242,6 @@ class StopSignal:
         return self
 
     def _handle(self, signum, frame):
-        import os
         import signal
 
         if self.requested is not None and signum == signal.SIGINT:
@@ -350,7 +349,7 @@ def train(
             f"mesh {dict(mesh.shape)}; peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})"
         )
     state = start if start is not None else trainer.init(jax.random.key(cfg.train.seed))
-    recovery = Recovery.replay(workdir / "events.jsonl", int(state.step)) if workdir is not None else Recovery()
+    recovery = Recovery.replay(rundir.read_events(workdir), int(state.step)) if workdir is not None else Recovery()
     loop = _Loop(cfg, data, trainer, writer, checkpointer, recovery, Monitor(cfg.monitor, monitor_state))
     step = int(state.step)
     writer.event("start", step, devices=n_devices, mesh=dict(mesh.shape), peak_flops=peak)
@@ -530,11 +529,6 @@ def train(
     return RunResult(train_loss, val, tokens_per_s, mfu, cfg.train.steps, state.params)
 
 
-def with_vocab(cfg: Config, vocab_size: int) -> Config:
-    """The run's config with the model's vocabulary taken from the tokenizer."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
-
-
 def _restore(trainer: Trainer, checkpointer, writer_event) -> tuple[TrainState, dict]:
     """The latest valid checkpoint, resharded onto the trainer's mesh, and its JSON record."""
     _, restored, meta = checkpointer.restore(
@@ -543,57 +537,28 @@ def _restore(trainer: Trainer, checkpointer, writer_event) -> tuple[TrainState, 
     return TrainState(**restored), meta
 
 
-def _truncate_metrics(workdir: Path, step: int) -> int:
-    """Drop metrics logged after `step` (the resumed run logs them again); returns how many."""
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    lines = path.read_text().splitlines()
-    keep = [line for line in lines if _step_of(line) <= step]
-    if len(keep) != len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
-    return len(lines) - len(keep)
-
-
-def _step_of(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return -1  # a torn last line from a crash: dropped
-
-
 def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
     """The `train.py` job: resume checks, data, config.yaml, training, checkpoints, and a summary."""
-    from transformer.checkpoint import (
-        CHECKPOINT_DIR,
-        Checkpointer,
-        check_writable,
-        partial_writes,
-        read_run_config,
-    )
+    from transformer.checkpoint import Checkpointer, check_writable, partial_writes
     from transformer.data import prepare
 
     lead = jax.process_index() == 0
     sharding.mesh_shape(cfg, jax.device_count())  # refuse an impossible mesh before any work
-    ckpt_dir = workdir / CHECKPOINT_DIR
-    resuming = (
-        (workdir / "config.yaml").is_file() and ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
-    )
+    ckpt_dir = workdir / rundir.CHECKPOINTS
+    resuming = rundir.has_checkpoints(workdir)
     safe_changes: list[str] = []
     if resuming:
-        saved = read_run_config(workdir)
-        unsafe, safe_changes = config_changes(saved, with_vocab(cfg, saved.model.vocab_size))
+        saved = rundir.read_config(workdir)
+        unsafe, safe_changes = config_changes(saved, cfg.with_vocab(saved.model.vocab_size))
         if unsafe:
             raise ConfigError("", f"cannot resume {workdir}: the config changes what was trained: {'; '.join(unsafe)}")
-    elif (workdir / "metrics.jsonl").exists():
+    elif rundir.has_metrics(workdir):
         raise ConfigError("", f"{workdir} holds a run without checkpoints to resume from; use a new --workdir")
     check_writable(ckpt_dir)
     leftovers = partial_writes(ckpt_dir)
 
     data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, workdir, log=log if lead else lambda _: None)
-    cfg = with_vocab(cfg, data.vocab_size)
+    cfg = cfg.with_vocab(data.vocab_size)
     mesh = sharding.make_mesh(cfg)
     checkpointer = Checkpointer(workdir, cfg.checkpoint)
     events = RunWriter(workdir, lead, tensorboard=False)
@@ -610,7 +575,7 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
                     f"{workdir} is already trained to step {int(start.step)}; raise train.steps to continue it",
                 )
             step = int(start.step)
-            dropped = _truncate_metrics(workdir, step) if lead else 0
+            dropped = rundir.truncate_metrics(workdir, step) if lead else 0
             events.event("resume", step, dropped_metrics=dropped)
             if safe_changes:
                 events.event("config_change", step, changes=safe_changes)
@@ -619,8 +584,7 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
     finally:
         events.close()
     if lead:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.yaml").write_text(cfg.to_yaml())
+        rundir.write_config(workdir, cfg)
     try:
         with StopSignal() as stop:
             result = train(

@@ -1,0 +1,219 @@
+"""The run directory: its file names, its one writer, and its readers.
+
+```
+DIR/
+  config.yaml     the resolved config: written at start, compared on resume, read by eval and reports
+  metrics.jsonl   one JSON object per logged step: {"step": ..., "loss": ..., ...}
+  events.jsonl    one JSON object per event: {"event": "start" | "resume" | "spike" | ..., "step": ...}
+  checkpoints/    orbax checkpoints (transformer/checkpoint.py)
+  tb/             TensorBoard event files
+```
+
+Only `RunWriter` appends to the two journals (process 0 of a run); everything else reads them here.
+A line torn by a crash mid-write is skipped by every reader, and dropped by `truncate_metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer.config import Config
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tb"
+
+FINAL = ("finished", "stopped")  # statuses whose numbers are final (see run_status)
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader (or a crash) sees the old file or the new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def has_config(workdir: Path) -> bool:
+    return (workdir / CONFIG).is_file()
+
+
+def read_config(workdir: Path) -> Config:
+    """The run's resolved config (a config.yaml written by this framework holds no `base:` links)."""
+    from transformer.config import load_config
+
+    return load_config(workdir / CONFIG)
+
+
+def write_config(workdir: Path, cfg: Config) -> None:
+    atomic_write(workdir / CONFIG, cfg.to_yaml())
+
+
+def has_checkpoints(workdir: Path) -> bool:
+    """A run to resume: a config and at least one finished checkpoint."""
+    directory = workdir / CHECKPOINTS
+    return has_config(workdir) and directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def has_metrics(workdir: Path) -> bool:
+    return (workdir / METRICS).exists()
+
+
+def _records(path: Path) -> list[dict]:
+    """The JSON objects of a journal, one per line; a torn last line (a crash mid-write) is skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def read_metrics(workdir: Path) -> list[dict]:
+    """Every logged record, in the order written (after a rollback, abandoned steps come first)."""
+    return [r for r in _records(workdir / METRICS) if "step" in r]
+
+
+def metric_series(workdir: Path) -> dict[str, dict[int, Any]]:
+    """key -> {step: value}: the last record per step and key wins."""
+    series: dict[str, dict[int, Any]] = {}
+    for record in read_metrics(workdir):
+        step = int(record.pop("step"))
+        for key, value in record.items():
+            series.setdefault(key, {})[step] = value
+    return series
+
+
+def read_events(workdir: Path, kind: str | None = None) -> list[dict]:
+    """The run's events in order, or only those of one kind."""
+    return [e for e in _records(workdir / EVENTS) if "event" in e and (kind is None or e["event"] == kind)]
+
+
+def run_status(events: list[dict], steps: int | None = None) -> str:
+    """'pending' (never started), 'finished' (trained to `steps`, when given), 'stopped' (by the
+    monitor), or 'interrupted'. A run that ended short of `steps` (train.steps was raised since) is
+    'interrupted': running it again continues it from its last checkpoint."""
+    status = "pending"
+    for e in events:
+        if e["event"] == "start":
+            status = "interrupted"
+        elif e["event"] == "end":
+            status = "finished" if steps is None or e.get("step", 0) >= steps else "interrupted"
+        elif e["event"] == "stopped":
+            status = "stopped"
+    return status
+
+
+def status(workdir: Path, steps: int | None = None) -> str:
+    """The status (see run_status) of the run in `workdir`, judged against `steps`."""
+    return run_status(read_events(workdir), steps)
+
+
+def truncate_metrics(workdir: Path, step: int) -> int:
+    """Drop metrics logged after `step` (a resumed run logs them again), and torn lines; returns how
+    many lines went."""
+    path = workdir / METRICS
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if _step_of(line) <= step]
+    if len(keep) != len(lines):
+        atomic_write(path, "".join(line + "\n" for line in keep))
+    return len(lines) - len(keep)
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1  # a torn last line from a crash: dropped
+
+
+# --- the writer ----------------------------------------------------------------------------------
+
+
+def _jsonable(value):
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic) or hasattr(value, "__array__"):
+        value = np.asarray(value).item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible rather than invalid
+    return value
+
+
+class RunWriter:
+    """Appends one run's metrics and events (and TensorBoard scalars). On processes other than 0,
+    or without a directory, every call is a no-op."""
+
+    def __init__(self, workdir: Path | None, enabled: bool, tensorboard: bool):
+        self.enabled = enabled and workdir is not None
+        self.tb = None
+        if workdir is None or not self.enabled:
+            return
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(workdir / METRICS, "a")
+        self.events = open(workdir / EVENTS, "a")
+        if tensorboard:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            self.tb = EventFileWriter(str(workdir / TENSORBOARD))
+
+    def scalars(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _jsonable(v) for k, v in values.items()}}
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        if self.tb is not None:
+            self._tensorboard(step, values)
+
+    def _tensorboard(self, step: int, values: dict[str, Any]) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        tags = []
+        for k, v in values.items():
+            if isinstance(v, (list, tuple)):  # per-layer values: one tag per layer
+                tags += [(f"{k}/layer_{i}", x) for i, x in enumerate(v)]
+            elif isinstance(v, (int, float, np.generic)):
+                tags.append((k, v))
+        summary = summary_pb2.Summary(
+            value=[summary_pb2.Summary.Value(tag=tag, simple_value=float(x)) for tag, x in tags]
+        )
+        assert self.tb is not None
+        self.tb.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        if not self.enabled:
+            return
+        record = {"event": kind, "step": step, "time": time.time(), **{k: _jsonable(v) for k, v in fields.items()}}
+        self.events.write(json.dumps(record) + "\n")
+        self.events.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.metrics.close()
+        self.events.close()
+        if self.tb is not None:
+            self.tb.close()
