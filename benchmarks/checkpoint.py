@@ -25,7 +25,7 @@ from throughput import preset_path, random_batch
 
 from transformer import sharding
 from transformer.checkpoint import Checkpointer, meta_record
-from transformer.config import load_config
+from transformer.config_loader import load_config
 from transformer.model.summary import count_params
 from transformer.trainer import Trainer, default_controls
 

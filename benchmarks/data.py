@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformer import data as datalib
-from transformer.config import load_config
+from transformer.config_loader import load_config
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer.config import load_config
+from transformer.config_loader import load_config
 from transformer.model import Transformer
 from transformer.model.summary import kv_cache_bytes_per_token
 

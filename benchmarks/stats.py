@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from throughput import random_batch
 
 from transformer import sharding
-from transformer.config import load_config
+from transformer.config_loader import load_config
 from transformer.trainer import Trainer, default_controls
 
 

@@ -23,7 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformer import sharding
-from transformer.config import DEFAULT_CONFIG, load_config
+from transformer.config import DEFAULT_CONFIG
+from transformer.config_loader import load_config
 from transformer.metrics import device_peak_flops
 from transformer.model.summary import count_params, flops_per_token
 from transformer.trainer import Trainer, default_controls

@@ -10,7 +10,7 @@ import sys
 import jax
 
 from transformer import sharding
-from transformer.config import load_config
+from transformer.config_loader import load_config
 from transformer.data import prepare
 from transformer.trainer import Trainer, train
 

@@ -16,7 +16,8 @@ from conftest import ROOT, logged, read_events, write_corpus
 from flax import nnx
 
 from transformer.checkpoint import CheckpointError, load
-from transformer.config import ConfigError, load_config
+from transformer.config import ConfigError
+from transformer.config_loader import load_config
 from transformer.trainer import run
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from transformer.config import DEFAULT_CONFIG, load_config
+from transformer.config import DEFAULT_CONFIG
+from transformer.config_loader import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY_LINES = ("parameters by component", "FLOPs per token", "KV cache per token")

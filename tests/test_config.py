@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from transformer.config import DEFAULT_CONFIG, Config, ConfigError, ModelConfig, from_dict, load_config
+from transformer.config import DEFAULT_CONFIG, Config, ConfigError, ModelConfig
+from transformer.config_loader import from_dict, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))
@@ -413,7 +414,7 @@ def test_shipped_configs_are_found():
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=[str(p.relative_to(ROOT)) for p in SHIPPED_CONFIGS])
 def test_shipped_config_loads(path):
-    from transformer.config import load_raw
+    from transformer.config_loader import load_raw
     from transformer.sweep import expand
 
     raw = load_raw(path)

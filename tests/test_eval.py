@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, write_corpus
 
 from transformer.cli import eval_main
-from transformer.config import load_config
+from transformer.config_loader import load_config
 from transformer.trainer import run
 
 

@@ -15,7 +15,8 @@ import pytest
 from conftest import ROOT, logged, read_events, write_corpus
 
 from transformer import rundir, sharding
-from transformer.config import MonitorConfig, load_config
+from transformer.config import MonitorConfig
+from transformer.config_loader import load_config
 from transformer.data import prepare
 from transformer.monitor import Monitor, MonitorStop, Recovery
 from transformer.trainer import Trainer, default_controls, run

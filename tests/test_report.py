@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, logged, read_events
 
-from transformer.config import from_dict
+from transformer.config_loader import from_dict
 from transformer.report import build, lr_sensitivity, mean_std, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"

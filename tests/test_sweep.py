@@ -10,7 +10,8 @@ import pytest
 import yaml
 from conftest import ROOT, TINY_SWEEP, read_events
 
-from transformer.config import ConfigError, load_config, load_raw
+from transformer.config import ConfigError
+from transformer.config_loader import load_config, load_raw
 from transformer.model.summary import flops_per_token
 from transformer.rundir import FINAL, status
 from transformer.sweep import SweepError, expand

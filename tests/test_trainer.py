@@ -15,7 +15,8 @@ import pytest
 from conftest import ROOT, write_corpus
 
 from transformer import sharding
-from transformer.config import ConfigError, OptimConfig, load_config
+from transformer.config import ConfigError, OptimConfig
+from transformer.config_loader import load_config
 from transformer.data import prepare
 from transformer.optim import decay_mask, schedule
 from transformer.trainer import cross_entropy, train

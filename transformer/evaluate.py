@@ -7,7 +7,8 @@ from pathlib import Path
 
 from transformer import rundir, sharding
 from transformer.checkpoint import Checkpointer
-from transformer.config import Config, ConfigError, apply_overrides, from_dict
+from transformer.config import Config, ConfigError
+from transformer.config_loader import apply_overrides, from_dict
 from transformer.data import Data, prepare
 from transformer.generate import SamplingConfig, generate
 from transformer.trainer import Trainer

@@ -53,7 +53,7 @@ def has_config(workdir: Path) -> bool:
 
 def read_config(workdir: Path) -> Config:
     """The run's resolved config (a config.yaml written by this framework holds no `base:` links)."""
-    from transformer.config import load_config
+    from transformer.config_loader import load_config
 
     return load_config(workdir / CONFIG)
 
