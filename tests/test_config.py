@@ -405,6 +405,35 @@ def test_deepnorm_constants(n_layers, alpha, beta):
     assert cfg.deepnorm_beta == pytest.approx((8 * n_layers) ** -0.25)
 
 
+# --- the data source ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("builtin:stdlib", dict(kind="builtin", name="stdlib")),
+        ("hf:someone/thing", dict(kind="hf", name="someone/thing", config=None)),
+        ("hf:someone/thing:sub", dict(kind="hf", name="someone/thing", config="sub")),
+        ("files:~/corpus/**/*.txt", dict(kind="files", glob="~/corpus/**/*.txt")),
+        ("files:C:/data", dict(kind="files", glob="C:/data")),  # only the first colon separates the kind
+    ],
+)
+def test_the_data_source_is_parsed_once_into_its_parts(text, expected):
+    source = load(f"data.source={text}").data.source_spec
+    assert source.text == text
+    assert {k: getattr(source, k) for k in expected} == expected
+    assert source.recall is None
+
+
+def test_a_recall_source_carries_its_task():
+    from transformer.synthetic import RecallTask
+
+    source = load("data.source=builtin:recall:pairs=4,distance=16").data.source_spec
+    assert (source.kind, source.name) == ("builtin", "recall")
+    assert source.recall == RecallTask(pairs=4, distance=16)
+    assert load("data.source=builtin:recall").data.source_spec.recall == RecallTask()
+
+
 # --- shipped configs -----------------------------------------------------------------------------
 
 

@@ -5,8 +5,9 @@ A run is described by one frozen `Config` with one section per concern. Every fi
 annotation, and each section's `__post_init__` checks ranges and combinations, so a user mistake
 becomes one `ConfigError` naming the key instead of a traceback from deep inside JAX.
 
-Derived values (head_dim when unset, the padded vocab, per-layer windows, DeepNet constants, ...)
-are resolved once here and exposed as fields or properties; nothing downstream recomputes them.
+Derived values (head_dim when unset, the padded vocab, per-layer windows, DeepNet constants, the
+parsed data source, ...) are resolved once here and exposed as fields or properties; nothing
+downstream recomputes them.
 """
 
 from __future__ import annotations
@@ -234,6 +235,46 @@ class ModelConfig:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
 
+SourceKind = Literal["builtin", "hf", "files"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """`data.source` parsed once: builtin:stdlib | builtin:recall[:opts] | hf:NAME[:CONFIG] | files:GLOB."""
+
+    text: str  # as written, for messages
+    kind: SourceKind
+    name: str = ""  # builtin: the corpus (stdlib, recall); hf: the dataset
+    config: str | None = None  # hf: the dataset's configuration, if named
+    glob: str = ""  # files: a path, a directory or a glob (~ expanded when read)
+    recall: RecallTask | None = None  # builtin:recall: the task its options describe
+
+    @classmethod
+    def parse(cls, text: str) -> DataSource:
+        """Parse and check a source string; a mistake is a ConfigError on the key `source`."""
+        kind, _, arg = text.partition(":")
+        if kind == "hf":
+            name, _, config = arg.partition(":")
+            return cls(text, "hf", name=name, config=config or None)
+        if kind == "files":
+            return cls(text, "files", glob=arg)
+        _check(kind == "builtin", "source", f"must start with builtin:, hf: or files:, got {text!r}")
+        return cls._parse_builtin(text, arg)
+
+    @classmethod
+    def _parse_builtin(cls, text: str, arg: str) -> DataSource:
+        corpus, _, options = arg.partition(":")
+        _check(corpus in BUILTINS, "source", f"unknown builtin corpus {arg!r} (builtin:{', builtin:'.join(BUILTINS)})")
+        if corpus != "recall":
+            _check(not options, "source", f"builtin:{corpus} takes no options, got {options!r}")
+            return cls(text, "builtin", name=corpus)
+        try:
+            task = RecallTask.parse(options)
+        except ValueError as e:
+            raise ConfigError("source", f"{text}: {e}") from None
+        return cls(text, "builtin", name=corpus, recall=task)
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: str = "builtin:stdlib"  # builtin:stdlib | builtin:recall[:opts] | hf:NAME[:CONFIG] | files:GLOB
@@ -248,34 +289,22 @@ class DataConfig:
     document_mask: bool = False
     cache_dir: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
         _check(self.val_windows >= 1, "val_windows", f"must be >= 1, got {self.val_windows}")
         _check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
         _check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1), got {self.val_fraction}")
-        _check(
-            self.source.split(":", 1)[0] in ("builtin", "hf", "files"),
-            "source",
-            f"must start with builtin:, hf: or files:, got {self.source!r}",
-        )
-        kind, _, arg = self.source.partition(":")
-        if kind == "builtin":
-            corpus, _, options = arg.partition(":")
-            _check(
-                corpus in BUILTINS, "source", f"unknown builtin corpus {arg!r} (builtin:{', builtin:'.join(BUILTINS)})"
-            )
-            if corpus == "recall":
-                try:
-                    RecallTask.parse(options)
-                except ValueError as e:
-                    raise ConfigError("source", f"{self.source}: {e}") from None
-            else:
-                _check(not options, "source", f"builtin:{corpus} takes no options, got {options!r}")
+        DataSource.parse(self.source)
         _check(
             self.tokenizer in ("byte", "bpe") or self.tokenizer.startswith("pretrained:"),
             "tokenizer",
             f"must be byte, bpe or pretrained:PATH, got {self.tokenizer!r}",
         )
+
+    @property
+    def source_spec(self) -> DataSource:
+        """`source` parsed (it was checked when this config was built, so this does not raise)."""
+        return DataSource.parse(self.source)
 
 
 @dataclasses.dataclass(frozen=True)

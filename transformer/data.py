@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from transformer.config import DataConfig
+from transformer.config import DataConfig, DataSource
 from transformer.errors import first_line
 from transformer.rundir import atomic_write
 from transformer.synthetic import RecallTask
@@ -69,49 +69,65 @@ def _files_fingerprint(files: list[Path], root: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+def _source_files(source: DataSource) -> list[Path]:
+    """The files a files: source names: every file under a directory, or those its glob matches."""
+    path = Path(os.path.expanduser(source.glob))
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(source.glob)
+    if not files:
+        raise DataError(f"data.source: {source.text} matches no file")
+    return files
+
+
 def source_fingerprint(cfg: DataConfig) -> str:
     """Cheap identity of the source's contents: changes when the documents could have changed."""
-    kind, _, arg = cfg.source.partition(":")
-    if kind == "builtin" and arg == "stdlib":
+    source = cfg.source_spec
+    if source.recall is not None:
+        return "recall-v1-" + "-".join(f"{k}{v}" for k, v in dataclasses.asdict(source.recall).items())
+    if source.kind == "builtin":
         root, files = _stdlib_files()
         return f"stdlib-{sys.version_info.major}.{sys.version_info.minor}-{_files_fingerprint(files, root)}"
-    if kind == "builtin" and arg.partition(":")[0] == "recall":
-        task = RecallTask.parse(arg.partition(":")[2])
-        return "recall-v1-" + "-".join(f"{k}{v}" for k, v in dataclasses.asdict(task).items())
-    if kind == "files":
-        path = Path(os.path.expanduser(arg))
-        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(arg)
-        if not files:
-            raise DataError(f"data.source: {cfg.source} matches no file")
-        return f"files-{_files_fingerprint(files)}"
-    if kind == "hf":
-        return "hf-" + "-".join(ds._fingerprint for ds in load_splits(cfg).values())
-    raise DataError(
-        f"data.source: unknown source {cfg.source!r} (builtin:stdlib, builtin:recall, hf:NAME[:CONFIG], files:GLOB)"
-    )
+    if source.kind == "files":
+        return f"files-{_files_fingerprint(_source_files(source))}"
+    return "hf-" + "-".join(ds._fingerprint for ds in load_splits(cfg).values())
 
 
-def _documents_from_files(cfg: DataConfig):
+def _documents_from_recall(cfg: DataConfig, task: RecallTask) -> dict:
     import datasets
 
-    arg = cfg.source.partition(":")[2]
-    path = Path(os.path.expanduser(arg))
+    # its own splits, whatever their names
+    return {
+        name: datasets.Dataset.from_dict({cfg.text_field: task.documents(split)})
+        for name, split in ((cfg.train_split, "train"), (cfg.val_split, "val"))
+    }
+
+
+def _documents_from_stdlib(cfg: DataConfig):
+    import datasets
+
+    root, files = _stdlib_files()
+    texts = [p.read_text("utf-8", errors="replace") for p in files]
+    paths = [str(p.relative_to(root)) for p in files]
+    return datasets.DatasetDict({"train": datasets.Dataset.from_dict({cfg.text_field: texts, "path": paths})})
+
+
+def _documents_from_files(cfg: DataConfig, source: DataSource):
+    import datasets
+
+    path = Path(os.path.expanduser(source.glob))
     if path.is_dir() and any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):
         try:
             return datasets.load_from_disk(str(path))
         except Exception as e:  # damaged, or a layout this datasets version cannot read back
-            raise DataError(f"data.source: cannot read {cfg.source}: {first_line(e)}") from None
-    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(arg)
-    if not files:
-        raise DataError(f"data.source: {cfg.source} matches no file")
+            raise DataError(f"data.source: cannot read {source.text}: {first_line(e)}") from None
+    files = _source_files(source)
     if all(f.stat().st_size == 0 for f in files):
-        raise DataError(f"data.source: {cfg.source} is empty ({len(files)} file(s), 0 bytes)")
+        raise DataError(f"data.source: {source.text} is empty ({len(files)} file(s), 0 bytes)")
     builders = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
     kinds = {builders.get(f.suffix.lower()) for f in files}
     if None in kinds or len(kinds) != 1:
         suffixes = sorted({f.suffix or "(none)" for f in files})
         raise DataError(
-            f"data.source: {cfg.source} must match files of one kind (.txt, .jsonl/.json, .parquet, .csv), "
+            f"data.source: {source.text} must match files of one kind (.txt, .jsonl/.json, .parquet, .csv), "
             f"found {', '.join(suffixes)}"
         )
     (builder,) = kinds
@@ -119,21 +135,32 @@ def _documents_from_files(cfg: DataConfig):
     try:
         return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, **options)
     except Exception as e:
-        raise DataError(f"data.source: cannot read {cfg.source}: {first_line(e)}") from None
+        raise DataError(f"data.source: cannot read {source.text}: {first_line(e)}") from None
 
 
-def _documents_from_hub(cfg: DataConfig):
+def _documents_from_hub(source: DataSource):
     import datasets
 
-    name, _, config = cfg.source.partition(":")[2].partition(":")
     try:
-        return datasets.load_dataset(name, config or None)
+        return datasets.load_dataset(source.name, source.config)
     except Exception as e:
         text = first_line(e)
         words = ("offline", "connection", "resolve", "internet", "network")
         offline = isinstance(e, ConnectionError) or any(w in text.lower() for w in words)  # "Couldn't reach"
         hint = " (offline?); download it where the hub is reachable, save it, and use files:PATH" if offline else ""
-        raise DataError(f"data.source: cannot load {name} from the Hugging Face hub{hint}: {text}") from None
+        raise DataError(f"data.source: cannot load {source.name} from the Hugging Face hub{hint}: {text}") from None
+
+
+def _documents(cfg: DataConfig):
+    """The source's documents as it stores them: a Dataset, a DatasetDict or a dict of splits."""
+    source = cfg.source_spec
+    if source.recall is not None:
+        return _documents_from_recall(cfg, source.recall)
+    if source.kind == "builtin":
+        return _documents_from_stdlib(cfg)
+    if source.kind == "files":
+        return _documents_from_files(cfg, source)
+    return _documents_from_hub(source)
 
 
 def _hash_fraction(text: str) -> float:
@@ -143,41 +170,14 @@ def _hash_fraction(text: str) -> float:
 def load_splits(cfg: DataConfig) -> dict:
     """{'train': Dataset, 'val': Dataset}, each with the text in column cfg.text_field."""
     # keyed by the files' fingerprint too: edited files are read again, not served from memory
-    return _load_splits(cfg, source_fingerprint(cfg) if cfg.source.startswith("files:") else "")
+    return _load_splits(cfg, source_fingerprint(cfg) if cfg.source_spec.kind == "files" else "")
 
 
 @functools.lru_cache(maxsize=4)
 def _load_splits(cfg: DataConfig, fingerprint: str) -> dict:
     import datasets
 
-    kind, _, arg = cfg.source.partition(":")
-    if kind == "builtin" and arg.partition(":")[0] == "recall":
-        task = RecallTask.parse(arg.partition(":")[2])
-        loaded = datasets.DatasetDict(
-            {split: datasets.Dataset.from_dict({cfg.text_field: task.documents(split)}) for split in ("train", "val")}
-        )
-        loaded = {
-            cfg.train_split: loaded["train"],
-            cfg.val_split: loaded["val"],
-        }  # its own splits, whatever their names
-    elif kind == "builtin":
-        if arg != "stdlib":
-            raise DataError(f"data.source: unknown builtin corpus {arg!r} (builtin:stdlib, builtin:recall)")
-        root, files = _stdlib_files()
-        texts = [p.read_text("utf-8", errors="replace") for p in files]
-        loaded = datasets.DatasetDict(
-            {
-                "train": datasets.Dataset.from_dict(
-                    {cfg.text_field: texts, "path": [str(p.relative_to(root)) for p in files]}
-                )
-            }
-        )
-    elif kind == "files":
-        loaded = _documents_from_files(cfg)
-    elif kind == "hf":
-        loaded = _documents_from_hub(cfg)
-    else:
-        raise DataError(f"data.source: unknown source {cfg.source!r}")
+    loaded = _documents(cfg)
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
     if cfg.train_split not in loaded:
@@ -188,14 +188,25 @@ def _load_splits(cfg: DataConfig, fingerprint: str) -> dict:
             f"data.text_field: {cfg.text_field!r} is not a column of {cfg.source} "
             f"(columns: {', '.join(train.column_names)})"
         )
-    hashed = cfg.val_split not in loaded
-    if not hashed:
+    if cfg.val_split in loaded:
         val = loaded[cfg.val_split]
-    else:  # split by content hash: a document (and any copy of it) lands on one side only
-        fraction = cfg.val_fraction
-        is_val = [_hash_fraction(t if isinstance(t, str) else "") < fraction for t in train[cfg.text_field]]
-        val = train.select([i for i, v in enumerate(is_val) if v])
-        train = train.select([i for i, v in enumerate(is_val) if not v])
+        _check_splits(cfg, train, val, hashed=False)
+    else:
+        train, val = _hash_split(cfg, train)
+        _check_splits(cfg, train, val, hashed=True)
+    return {"train": train, "val": val}
+
+
+def _hash_split(cfg: DataConfig, train):
+    """(train, val) split by content hash: a document (and any copy of it) lands on one side only."""
+    fraction = cfg.val_fraction
+    is_val = [_hash_fraction(t if isinstance(t, str) else "") < fraction for t in train[cfg.text_field]]
+    val = train.select([i for i, v in enumerate(is_val) if v])
+    return train.select([i for i, v in enumerate(is_val) if not v]), val
+
+
+def _check_splits(cfg: DataConfig, train, val, hashed: bool) -> None:
+    """Both splits must hold documents; say whether val_fraction or the source is to blame."""
     for name, split in (("train", train), ("val", val)):
         if len(split) == 0 and hashed and len(train) + len(val) > 0:
             raise DataError(
@@ -204,7 +215,6 @@ def _load_splits(cfg: DataConfig, fingerprint: str) -> dict:
             )
         if len(split) == 0:
             raise DataError(f"data.source: the {name} split of {cfg.source} has no documents")
-    return {"train": train, "val": val}
 
 
 # --- tokenizer -----------------------------------------------------------------------------------
