@@ -526,7 +526,8 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
     """(unsafe, safe) differences as 'key: old -> new' lines."""
     a, b = flatten(old.to_dict()), flatten(new.to_dict())
-    unsafe, safe = [], []
+    unsafe: list[str] = []
+    safe: list[str] = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
             line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"

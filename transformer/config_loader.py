@@ -169,7 +169,7 @@ def from_dict(raw: dict[str, Any], cls: type = Config, prefix: str = "") -> Any:
             continue
         field = fields[key]
         tp = hints[field.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[field.name] = from_dict(value if value is not None else {}, tp, prefix + key + ".")
         else:
             kwargs[field.name] = _coerce(value, tp, prefix + key)

@@ -31,7 +31,7 @@ from transformer.config import DataConfig, DataSource
 from transformer.errors import first_line
 from transformer.rundir import atomic_write
 from transformer.synthetic import RecallTask
-from transformer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_pretrained, train_bpe
+from transformer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_pretrained, train_bpe
 
 CACHE_VERSION = 1
 TOKENIZER_FILE = "tokenizer.json"
@@ -220,7 +220,7 @@ def _check_splits(cfg: DataConfig, train, val, hashed: bool) -> None:
 # --- tokenizer -----------------------------------------------------------------------------------
 
 
-def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> ByteTokenizer | HFTokenizer:
+def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> Tokenizer:
     """The run's tokenizer. A run directory's own tokenizer.json wins (resume, eval); a BPE is trained
     once per (source, vocab size, split rules) and kept in the cache for later runs."""
     if cfg.tokenizer == "byte":
@@ -273,7 +273,7 @@ def _split_rules(cfg: DataConfig) -> dict:
     return dict(text_field=cfg.text_field, train=cfg.train_split, val=cfg.val_split, val_fraction=cfg.val_fraction)
 
 
-def cache_key(cfg: DataConfig, tokenizer) -> str:
+def cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
     return _digest(
         dict(
             version=CACHE_VERSION,
@@ -310,7 +310,7 @@ def _clean_partials(cache_dir: Path, key: str) -> None:
             shutil.rmtree(partial, ignore_errors=True)
 
 
-def build_cache(cfg: DataConfig, tokenizer, cache_dir: Path, log: Callable[[str], None] = print) -> Path:
+def build_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path, log: Callable[[str], None] = print) -> Path:
     """Tokenise both splits into `cache_dir/<key>/` unless a complete cache is there already."""
     key = cache_key(cfg, tokenizer)
     final = cache_dir / key
@@ -346,7 +346,7 @@ def build_cache(cfg: DataConfig, tokenizer, cache_dir: Path, log: Callable[[str]
     return final
 
 
-def _tokenise_split(split, text_field: str, tokenizer, dtype: np.dtype, path: Path) -> dict:
+def _tokenise_split(split, text_field: str, tokenizer: Tokenizer, dtype: np.dtype, path: Path) -> dict:
     eos = tokenizer.eos_id
 
     def encode(batch):
@@ -442,7 +442,7 @@ class Sampler:
 class Data:
     """Everything the trainer and evaluator need from the data side."""
 
-    tokenizer: object
+    tokenizer: Tokenizer
     train: Windows
     val: Windows
     sampler: Sampler

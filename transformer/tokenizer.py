@@ -50,7 +50,9 @@ class HFTokenizer:
         if None in ids:
             self.tok.add_special_tokens([s for s, i in zip(SPECIALS, ids) if i is None])
             ids = [self.tok.token_to_id(s) for s in SPECIALS]
-        self.bos_id, self.eos_id, self.pad_id = ids
+        bos, eos, pad = ids
+        assert bos is not None and eos is not None and pad is not None  # added just above where missing
+        self.bos_id, self.eos_id, self.pad_id = bos, eos, pad
         # document text is only text: a literal "<eos>" in it must not become a document boundary
         self.tok.encode_special_tokens = True
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -71,6 +73,10 @@ class HFTokenizer:
 
     def save(self, path: Path) -> None:
         path.write_text(self.json_text)
+
+
+# What a run's data pipeline, trainer and evaluator hold: either kind, used through the surface above.
+Tokenizer = ByteTokenizer | HFTokenizer
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
