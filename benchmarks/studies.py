@@ -1,4 +1,4 @@
-"""How long a sweep's members took, from their own events.jsonl: the time from each run's `start`
+"""How long a sweep's members took, from the events each run journals: the time from its `start`
 event to its `end` (or `stopped`) event, and the wall time of the whole sweep, from the first
 start to the last end. Process start-up and data loading before `start` (a few seconds per member)
 are not in the member times but are in the sweep's wall time.
@@ -9,21 +9,22 @@ are not in the member times but are in the sweep's wall time.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
+
+from transformer import rundir
 
 
 def member_times(directory: Path) -> dict[str, tuple[float, float, float]]:
     """{member: (start time, end time, seconds)} for the members that finished or were stopped."""
     out = {}
-    for events in sorted(directory.glob("*/events.jsonl")):
-        records = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    for workdir in sorted(p.parent for p in directory.glob(f"*/{rundir.EVENTS}")):
+        records = rundir.read_events(workdir)
         starts = [r["time"] for r in records if r["event"] == "start"]
         ends = [r["time"] for r in records if r["event"] in ("end", "stopped")]
         if starts and ends:
-            out[events.parent.name] = (starts[0], ends[-1], ends[-1] - starts[0])
+            out[workdir.name] = (starts[0], ends[-1], ends[-1] - starts[0])
     return out
 
 

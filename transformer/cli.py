@@ -9,9 +9,14 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformer.config import ConfigError, load_config
+from transformer.config import ConfigError
+from transformer.config_loader import load_config
 from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
+
+if TYPE_CHECKING:  # imported when a sweep file is run, not for every train.py
+    from transformer.sweep import Sweep
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,21 +107,15 @@ def train_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _sweep_main(args, sweep) -> int:
-    from transformer.sweep import SweepError, print_commands, run_sweep
+def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
+    from transformer.sweep import SweepError, print_commands, relative, run_sweep
 
     if args.parallel < 1:
         _fail("train.py", f"--parallel must be >= 1, got {args.parallel}")
     if args.coordinator is not None or args.num_processes is not None:
         _fail("train.py", "a sweep runs each member as its own process; hand --print-commands to your scheduler")
     if args.dry_run:
-        from transformer.model.summary import count_params
-
-        for m in sweep.members:
-            values = ", ".join(f"{k}={v}" for k, v in {**m.labels, **m.values}.items())
-            print(f"{m.name}: {values or 'base config'}; seed {m.seed}; {count_params(m.config.model):,} parameters")
-        print(f"{len(sweep.members)} members")
-        return 0
+        return _sweep_dry_run(sweep)
     workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem
     try:
         if args.print_commands:
@@ -127,9 +126,29 @@ def _sweep_main(args, sweep) -> int:
 
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        return run_sweep(sweep, workdir, args.parallel)
+        outcome = run_sweep(sweep, workdir, args.parallel)
     except SweepError as e:
         _fail("train.py", f"config: {e}")
+    if not outcome.interrupted:  # an interrupted sweep is compared once a rerun has finished it
+        from transformer.render import write_report
+
+        report = write_report(workdir)
+        print(f"report: {relative(report)}")
+    closing = outcome.closing_line()
+    if closing is not None:
+        print(closing)
+    return outcome.exit_code
+
+
+def _sweep_dry_run(sweep: Sweep) -> int:
+    """Print each member's values, seed and size; run nothing."""
+    from transformer.model.summary import count_params
+
+    for m in sweep.members:
+        values = ", ".join(f"{k}={v}" for k, v in {**m.labels, **m.values}.items())
+        print(f"{m.name}: {values or 'base config'}; seed {m.seed}; {count_params(m.config.model):,} parameters")
+    print(f"{len(sweep.members)} members")
+    return 0
 
 
 def _default_workdir(config: str | None) -> Path:
@@ -162,7 +181,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 def _compare_main(directory: Path) -> int:
     from transformer import rundir
-    from transformer.report import write_report
+    from transformer.render import write_report
     from transformer.sweep import MANIFEST
 
     if not directory.is_dir():

@@ -1,5 +1,6 @@
 """The report's figures, drawn from a `report.Report`. Each function returns a matplotlib Figure
-(the object API, no pyplot state), so the report saves them as PNGs and a notebook displays them."""
+(the object API, no pyplot state), so the renderer (`transformer/render.py`) saves them as PNGs and
+a notebook displays them. This module reads the statistics only; it never imports the renderer."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from transformer.report import LR_KEY, Report, _text
-from transformer.rundir import FINAL
+from transformer.report import LR_KEY, Report, format_value, short_key
 
 FACET_ABOVE = 8  # more variants than this: one panel per level of the compared key
 
@@ -27,7 +27,7 @@ def _panels(report: Report) -> list[tuple[str, list[str]]]:
     variants = list(report.variants)
     levels: dict[str, list[str]] = {}
     for v, runs in report.variants.items():
-        levels.setdefault(_text(runs[0].values.get(report.compare)), []).append(v)
+        levels.setdefault(format_value(runs[0].values.get(report.compare)), []).append(v)
     if len(variants) <= FACET_ABOVE or len(levels) < 2:
         return [("", variants)]
     return [(f"{report.compare} = {level}", vs) for level, vs in levels.items()]
@@ -92,7 +92,7 @@ def per_layer(report: Report) -> Figure | None:
     many = len(report.variants) > FACET_ABOVE
     for variant, runs in report.variants.items():
         for run in runs:
-            label = f"{report.compare.rsplit('.', 1)[-1]}={_text(run.values.get(report.compare))}" if many else variant
+            label = f"{short_key(report.compare)}={format_value(run.values.get(report.compare))}" if many else variant
             groups.setdefault(f"{label}, {run.config.model.n_layers} layers" if many else label, []).append(run)
     fig, axes = _grid(2, width=5.0)
     for ax, (key, label) in zip(axes, keys):
@@ -116,13 +116,11 @@ def loss_vs_lr(report: Report) -> Figure | None:
         return None
     others = [k for k in report.keys if k != LR_KEY]
     lines: dict[str, dict[float, list[tuple[float, bool]]]] = {}
-    for run in report.runs:
+    for run in report.finished(report.runs):
         s = report.summaries[run.name]
-        if s.status not in FINAL:
-            continue
-        final = report._final_loss(run)
+        final = report.final_loss(run)
         capped = min(final, s.initial_loss) if math.isfinite(final) else s.initial_loss
-        label = ",".join(_text(run.values.get(k)) for k in others) or "all"
+        label = ",".join(format_value(run.values.get(k)) for k in others) or "all"
         lines.setdefault(label, {}).setdefault(float(run.values[LR_KEY]), []).append((capped, s.diverged))
     if not lines:
         return None
@@ -142,7 +140,7 @@ def loss_vs_lr(report: Report) -> Figure | None:
         title="loss against learning rate (x: diverged)",
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, title=", ".join(k.rsplit(".", 1)[-1] for k in others) or None, title_fontsize=7)
+    ax.legend(fontsize=7, title=", ".join(short_key(k) for k in others) or None, title_fontsize=7)
     return fig
 
 
@@ -172,6 +170,7 @@ def figures(report: Report) -> list[tuple[str, str, Figure]]:
 
 
 def plot_all(report: Report, directory: Path) -> list[tuple[str, Path]]:
+    """Save every figure as `directory`/STEM.png; (title, path) of each."""
     directory.mkdir(parents=True, exist_ok=True)
     saved = []
     for title, stem, fig in figures(report):

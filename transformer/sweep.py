@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from transformer import rundir
-from transformer.config import ROOT, Config, ConfigError, all_keys, config_changes, flatten, from_dict
+from transformer.config import ROOT, Config, ConfigError, config_changes, flatten
+from transformer.config_loader import all_keys, from_dict, load_raw
 from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from transformer.rundir import FINAL, atomic_write, read_events
 
@@ -45,8 +46,10 @@ SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare")
 MANIFEST = "sweep.json"
 MEMBERS_DIR = "members"  # resolved member configs
 LOGS_DIR = "logs"  # member output when several run at once
-RESERVED = {MEMBERS_DIR, LOGS_DIR, "plots"}
+RESERVED = {MEMBERS_DIR, LOGS_DIR, "plots"}  # "plots": the report's figures (transformer/render.py)
 TRAIN_SCRIPT = ROOT / "train.py"
+LR_KEY = "optim.lr"
+POLL_SECONDS = 0.2
 
 
 class SweepError(ConfigError):
@@ -131,22 +134,23 @@ def _axes(spec: dict) -> tuple[list[list[dict]], list[str], set[str]]:
     return axes, keys, labels
 
 
-def _text(value: Any) -> str:
+def name_part(value: Any) -> str:
+    """A value as it reads inside a member's name: 0.001, none, local+global."""
     if isinstance(value, float):
         return f"{value:g}"
     if value is None:
         return "none"
     if isinstance(value, (list, tuple)):
-        return "+".join(map(_text, value))
+        return "+".join(map(name_part, value))
     return str(value)
 
 
-def _render(template: str, lookup: Callable[[str], Any]) -> str:
+def _fill_template(template: str, lookup: Callable[[str], Any]) -> str:
     def one(match: re.Match) -> str:
         key, fmt = match.group(1), match.group(2)
         value = lookup(key)
         try:
-            return format(value, fmt) if fmt else _text(value)
+            return format(value, fmt) if fmt else name_part(value)
         except (ValueError, TypeError) as e:
             raise SweepError("sweep.name", f"cannot format {{{key}:{fmt}}} with {value!r}: {e}") from None
 
@@ -157,27 +161,59 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._,+-]+", "_", name).strip("._") or "run"
 
 
+def default_compare(keys: list[str] | tuple[str, ...]) -> str:
+    """The key a report compares unless told: the first varied key that is not the learning rate
+    (the LR sensitivity spans the learning rate), else the first; "" when nothing varies."""
+    return next((k for k in keys if k != LR_KEY), keys[0] if keys else "")
+
+
 def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = ()) -> Sweep:
-    """Expand a raw config with a `sweep:` block (as `config.load_raw` returns it) into validated
-    members. Any mistake raises SweepError naming the member, when there is one, and the key."""
+    """Expand a raw config with a `sweep:` block (as `config_loader.load_raw` returns it) into
+    validated members. Any mistake raises SweepError naming the member, when there is one, and the key."""
     raw = dict(raw)
-    spec = raw.pop("sweep")
+    spec = _spec(raw.pop("sweep"))
+    axes, keys, labels = _axes(spec)
+    for text in overrides:  # `train.py sweep.yaml optim.lr=1` would be silently overwritten by the sweep
+        key = text.partition("=")[0]
+        if key in keys:
+            raise SweepError(key, "is swept; change its values in the sweep block instead of overriding it")
+    seeds, template = _seeds(spec), _template(spec)
+    compare = spec.get("compare", default_compare(keys))
+    if keys and compare not in keys:
+        raise SweepError("sweep.compare", f"{compare!r} is not a swept key ({', '.join(keys)})")
+    members: list[Member] = []
+    names: dict[str, dict] = {}
+    for point in itertools.product(*axes) if axes else [()]:
+        assigned = {k: v for part in point for k, v in part.items()}
+        for seed in seeds if seeds is not None else [None]:
+            member = _member(raw, assigned, labels, seed, template)
+            _check_name(member.name, assigned, names)
+            names[member.name] = assigned
+            members.append(member)
+    return Sweep(source, tuple(members), tuple(keys), compare)
+
+
+def _spec(spec: Any) -> dict:
+    """The `sweep:` block, its keys checked."""
     if not isinstance(spec, dict):
         raise SweepError("sweep", f"expected a mapping with {', '.join(SWEEP_KEYS)}, got {spec!r}")
     for key in spec:
         if key not in SWEEP_KEYS:
             match = difflib.get_close_matches(str(key), SWEEP_KEYS, n=1)
             raise SweepError(f"sweep.{key}", "unknown key" + (f" (did you mean sweep.{match[0]}?)" if match else ""))
-    axes, keys, labels = _axes(spec)
-    for text in overrides:  # `train.py sweep.yaml optim.lr=1` would be silently overwritten by the sweep
-        key = text.partition("=")[0]
-        if key in keys:
-            raise SweepError(key, "is swept; change its values in the sweep block instead of overriding it")
+    return spec
+
+
+def _seeds(spec: dict) -> list[int] | None:
     seeds = spec.get("seeds")
     if seeds is not None:
         seeds = _values("sweep.seeds", seeds)
         if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds) or len(set(seeds)) != len(seeds):
             raise SweepError("sweep.seeds", f"expected distinct integers, got {seeds!r}")
+    return seeds
+
+
+def _template(spec: dict) -> str | None:
     template = spec.get("name")
     if template is not None and not isinstance(template, str):
         raise SweepError(
@@ -185,38 +221,35 @@ def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = (
         )
     if template is not None and "{seed" in template:
         raise SweepError("sweep.name", "the seed is appended to every name as -s<seed>; leave {seed} out")
-    compare = spec.get("compare", next((k for k in keys if k != "optim.lr"), keys[0] if keys else ""))
-    if keys and compare not in keys:
-        raise SweepError("sweep.compare", f"{compare!r} is not a swept key ({', '.join(keys)})")
+    return template
 
-    members, names = [], {}
-    for point in itertools.product(*axes) if axes else [()]:
-        assigned = {k: v for part in point for k, v in part.items()}
-        values = {k: v for k, v in assigned.items() if k not in labels}
-        for seed in seeds if seeds is not None else [None]:
-            member_raw = dict(raw)
-            for key, value in list(values.items()) + ([("train.seed", seed)] if seed is not None else []):
-                section, _, leaf = key.partition(".")
-                member_raw[section] = {**(member_raw.get(section) or {}), leaf: value}
-            suffix = f"-s{seed}" if seed is not None else ""
-            try:
-                cfg = from_dict(member_raw)
-            except ConfigError as e:
-                raise SweepError(e.key, f"{e.message} (in sweep member {_default_name(assigned)}{suffix})") from None
-            variant = _default_name(assigned) if template is None else _safe(_render(template, _lookup(cfg, assigned)))
-            name = variant + suffix
-            if name in names:
-                raise SweepError(
-                    "sweep.name",
-                    f"two members are both named {name!r} ({names[name]} and {assigned}); "
-                    "put the varied keys in the name template",
-                )
-            if name in RESERVED:
-                raise SweepError("sweep.name", f"{name!r} is reserved for the sweep's own files; rename the member")
-            names[name] = assigned
-            labelled = {k: v for k, v in assigned.items() if k in labels}
-            members.append(Member(name, variant, values, labelled, cfg.train.seed, cfg))
-    return Sweep(source, tuple(members), tuple(keys), compare)
+
+def _member(raw: dict[str, Any], assigned: dict, labels: set[str], seed: int | None, template: str | None) -> Member:
+    """The base config with one point of the sweep (`assigned`: keys and labels) and `seed` set, validated."""
+    values = {k: v for k, v in assigned.items() if k not in labels}
+    member_raw = dict(raw)
+    for key, value in list(values.items()) + ([("train.seed", seed)] if seed is not None else []):
+        section, _, leaf = key.partition(".")
+        member_raw[section] = {**(member_raw.get(section) or {}), leaf: value}
+    suffix = f"-s{seed}" if seed is not None else ""
+    try:
+        cfg = from_dict(member_raw)
+    except ConfigError as e:
+        raise SweepError(e.key, f"{e.message} (in sweep member {_default_name(assigned)}{suffix})") from None
+    variant = _default_name(assigned) if template is None else _safe(_fill_template(template, _lookup(cfg, assigned)))
+    labelled = {k: v for k, v in assigned.items() if k in labels}
+    return Member(variant + suffix, variant, values, labelled, cfg.train.seed, cfg)
+
+
+def _check_name(name: str, assigned: dict, names: dict[str, dict]) -> None:
+    """Refuse a member name already taken, by another member (`names`) or by the sweep's own files."""
+    if name in names:
+        raise SweepError(
+            "sweep.name",
+            f"two members are both named {name!r} ({names[name]} and {assigned}); put the varied keys in the name template",
+        )
+    if name in RESERVED:
+        raise SweepError("sweep.name", f"{name!r} is reserved for the sweep's own files; rename the member")
 
 
 def _lookup(cfg: Config, assigned: dict) -> Callable[[str], Any]:
@@ -236,22 +269,37 @@ def _default_name(assigned: dict) -> str:
     path with one would read as an override on train.py's command line."""
     if not assigned:
         return "run"
-    parts = [_text(v) if "." not in k else f"{k.rsplit('.', 1)[-1]}-{_text(v)}" for k, v in assigned.items()]
+    parts = [name_part(v) if "." not in k else f"{k.rsplit('.', 1)[-1]}-{name_part(v)}" for k, v in assigned.items()]
     return _safe(",".join(parts))
+
+
+def load_sweep(path: str | None, overrides: list[str]) -> Sweep | None:
+    """The sweep in a config file, or None when the file has no `sweep:` block."""
+    raw = load_raw(path, overrides)
+    if "sweep" not in raw:
+        return None
+    return expand(raw, str(path), tuple(overrides))
 
 
 # --- running -------------------------------------------------------------------------------------
 
 
-def _relative(path: Path) -> str:
+def relative(path: Path) -> str:
+    """`path` relative to the working directory when it is under it, as commands and messages show it."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
 
 
+def member_config_path(workdir: Path, name: str) -> Path:
+    """Where the sweep in `workdir` keeps member `name`'s resolved config."""
+    return workdir / MEMBERS_DIR / f"{name}.yaml"
+
+
 def command(member_config: Path, workdir: Path, python: str = "python") -> list[str]:
-    return [python, _relative(TRAIN_SCRIPT), _relative(member_config), "--workdir", _relative(workdir)]
+    """The train.py command line that runs one member into its run directory."""
+    return [python, relative(TRAIN_SCRIPT), relative(member_config), "--workdir", relative(workdir)]
 
 
 def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
@@ -269,99 +317,148 @@ def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
                 )
     (workdir / MEMBERS_DIR).mkdir(parents=True, exist_ok=True)
     for m in sweep.members:
-        atomic_write(workdir / MEMBERS_DIR / f"{m.name}.yaml", m.config.to_yaml())
+        atomic_write(member_config_path(workdir, m.name), m.config.to_yaml())
     atomic_write(workdir / MANIFEST, json.dumps(sweep.manifest(), indent=1))
     return {m.name: rundir.status(workdir / m.name, m.config.train.steps) for m in sweep.members}
 
 
 def print_commands(sweep: Sweep, workdir: Path, log: Callable[[str], None] = print) -> None:
+    """Prepare the sweep and print the command of each unfinished member, for a scheduler to run."""
     statuses = prepare(sweep, workdir)
     for m in sweep.members:
         if statuses[m.name] not in FINAL:
-            log(shlex.join(command(workdir / MEMBERS_DIR / f"{m.name}.yaml", workdir / m.name)))
-    log(f"# then: python eval.py --compare {shlex.quote(_relative(workdir))}")
+            log(shlex.join(command(member_config_path(workdir, m.name), workdir / m.name)))
+    log(f"# then: python eval.py --compare {shlex.quote(relative(workdir))}")
 
 
-def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str], None] = print) -> int:
-    """Run the unfinished members, `parallel` at a time, then write the report. Returns the exit
-    code: 0 when every member finished (or was stopped by the monitor), 75 when interrupted by a
-    signal (run the same command to go on), 1 when a member failed."""
-    statuses = prepare(sweep, workdir)
-    todo = [m for m in sweep.members if statuses[m.name] not in FINAL]
-    done = len(sweep.members) - len(todo)
-    mode = "one at a time" if parallel == 1 else f"{parallel} at a time"
-    log(f"sweep {workdir}: {len(sweep.members)} members; {done} already done, {len(todo)} to run, {mode}")
+@dataclasses.dataclass(frozen=True)
+class SweepOutcome:
+    """How running a sweep ended. Writing its report is the caller's (the CLI's) step."""
 
-    signals: list[int] = []
-    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    failed: list[str]  # members that exited with an error
+    preempted: list[str]  # members that checkpointed and exited on a signal
+    signalled: bool  # the sweep itself got SIGINT/SIGTERM
 
-    def on_signal(signum, frame):
-        signals.append(signum)
-        # the first signal asks each member to checkpoint and exit; a second makes them exit at once
-        for proc, _ in running.values():
-            proc.send_signal(signal.SIGTERM if len(signals) == 1 else signal.SIGINT)
+    @property
+    def interrupted(self) -> bool:
+        """Not run to the end: the same command resumes it (and its report is written then)."""
+        return self.signalled or bool(self.preempted)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed, preempted = [], []
-    pending, launched = list(todo), 0
-    steps = {m.name: m.config.train.steps for m in sweep.members}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        while pending or running:
-            while pending and len(running) < parallel and not signals:
-                m = pending.pop(0)
-                cmd = command(workdir / MEMBERS_DIR / f"{m.name}.yaml", workdir / m.name, sys.executable)
-                out = None
-                if parallel > 1:  # interleaved progress bars help nobody: each member logs to a file
-                    (workdir / LOGS_DIR).mkdir(exist_ok=True)
-                    out = open(workdir / LOGS_DIR / f"{m.name}.log", "a")
-                launched += 1
-                log(
-                    f"[{done + launched}/{len(sweep.members)}] {m.name}: {'resuming' if statuses[m.name] == 'interrupted' else 'starting'}"
-                )
-                # own session: a Ctrl-C reaches the sweep, which passes it on once, as SIGTERM
-                proc = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env, start_new_session=True
-                )
-                if out is not None:
-                    out.close()
-                running[m.name] = (proc, time.monotonic())
-            if pending and signals:
-                pending.clear()
-            time.sleep(0.2)
-            for name, (proc, started) in list(running.items()):
-                rc = proc.poll()
-                if rc is None:
-                    continue
-                del running[name]
-                status = rundir.status(workdir / name, steps[name])
-                seconds = time.monotonic() - started
-                if rc == 0 or status in FINAL:
-                    log(f"  {name}: {status} in {seconds:.0f} s{_summary(workdir / name)}")
-                elif rc == EXIT_PREEMPTED:
-                    preempted.append(name)
-                    log(f"  {name}: preempted after {seconds:.0f} s; it resumes when the sweep is run again")
-                else:
-                    failed.append(name)
-                    where = f"; see {_relative(workdir / LOGS_DIR / (name + '.log'))}" if parallel > 1 else ""
-                    log(f"  {name}: failed (exit {rc}) after {seconds:.0f} s{where}")
-                    if rc == EXIT_USAGE and pending:  # a user mistake (config, data) would repeat in every member
-                        log(f"  not starting the {len(pending)} remaining member(s): exit 2 is a user mistake")
-                        pending.clear()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if signals or preempted:
-        log(f"sweep interrupted: run the same command to resume ({len(preempted)} member(s) preempted)")
-        return EXIT_PREEMPTED
-    from transformer.report import write_report
+    @property
+    def exit_code(self) -> int:
+        """0 when every member finished (or was stopped by the monitor), 75 when interrupted (run the
+        same command to go on), 1 when a member failed."""
+        if self.interrupted:
+            return EXIT_PREEMPTED
+        return EXIT_FAILED if self.failed else 0
 
-    report = write_report(workdir, log=log)
-    log(f"report: {_relative(report)}")
-    if failed:
-        log(f"sweep: {len(failed)} member(s) failed: {', '.join(failed)}")
-        return EXIT_FAILED
-    return 0
+    def closing_line(self) -> str | None:
+        """The sweep's last line: why it did not succeed, or None when it did."""
+        if self.interrupted:
+            return f"sweep interrupted: run the same command to resume ({len(self.preempted)} member(s) preempted)"
+        if self.failed:
+            return f"sweep: {len(self.failed)} member(s) failed: {', '.join(self.failed)}"
+        return None
+
+
+class SweepRunner:
+    """Runs a prepared sweep's unfinished members as train.py processes, `parallel` at a time.
+
+    The first SIGINT/SIGTERM to the sweep asks each running member to checkpoint and exit, a second
+    makes them exit at once; either way nothing more is started. A member that fails with exit 2 (a
+    user mistake, which would repeat in every member) stops the sweep from starting the rest.
+    """
+
+    def __init__(
+        self,
+        sweep: Sweep,
+        workdir: Path,
+        statuses: dict[str, str],
+        parallel: int = 1,
+        log: Callable[[str], None] = print,
+    ):
+        self.sweep, self.workdir, self.statuses, self.parallel, self.log = sweep, workdir, statuses, parallel, log
+        self.pending = [m for m in sweep.members if statuses[m.name] not in FINAL]
+        self.done = len(sweep.members) - len(self.pending)  # finished before this run
+        self.launched = 0
+        self.running: dict[str, tuple[Member, subprocess.Popen, float]] = {}  # name -> (member, process, start)
+        self.signals: list[int] = []
+        self.failed: list[str] = []
+        self.preempted: list[str] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def run(self) -> SweepOutcome:
+        """Run every pending member (or until a signal) and say how it went."""
+        mode = "one at a time" if self.parallel == 1 else f"{self.parallel} at a time"
+        total = len(self.sweep.members)
+        self.log(f"sweep {self.workdir}: {total} members; {self.done} already done, {len(self.pending)} to run, {mode}")
+        previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while self.pending or self.running:
+                while self.pending and len(self.running) < self.parallel and not self.signals:
+                    self.launch(self.pending.pop(0))
+                if self.pending and self.signals:
+                    self.pending.clear()
+                time.sleep(POLL_SECONDS)
+                self.poll()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return SweepOutcome(self.failed, self.preempted, bool(self.signals))
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """Pass the signal on to the running members: as SIGTERM the first time, SIGINT after."""
+        self.signals.append(signum)
+        for _, proc, _ in self.running.values():
+            proc.send_signal(signal.SIGTERM if len(self.signals) == 1 else signal.SIGINT)
+
+    def launch(self, m: Member) -> None:
+        """Start one member's train.py, in its own session (so a Ctrl-C reaches only the sweep, which
+        passes it on once, as SIGTERM)."""
+        out = None
+        if self.parallel > 1:  # interleaved progress bars help nobody: each member logs to a file
+            (self.workdir / LOGS_DIR).mkdir(exist_ok=True)
+            out = open(self.workdir / LOGS_DIR / f"{m.name}.log", "a")
+        self.launched += 1
+        verb = "resuming" if self.statuses[m.name] == "interrupted" else "starting"
+        self.log(f"[{self.done + self.launched}/{len(self.sweep.members)}] {m.name}: {verb}")
+        cmd = command(member_config_path(self.workdir, m.name), self.workdir / m.name, sys.executable)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=self.env, start_new_session=True
+        )
+        if out is not None:
+            out.close()
+        self.running[m.name] = (m, proc, time.monotonic())
+
+    def poll(self) -> None:
+        """Collect the members that have exited."""
+        for name, (m, proc, started) in list(self.running.items()):
+            rc = proc.poll()
+            if rc is not None:
+                del self.running[name]
+                self.finish(m, rc, time.monotonic() - started)
+
+    def finish(self, m: Member, rc: int, seconds: float) -> None:
+        """Log how a member ended, and note a failure or a preemption."""
+        status = rundir.status(self.workdir / m.name, m.config.train.steps)
+        if rc == 0 or status in FINAL:
+            self.log(f"  {m.name}: {status} in {seconds:.0f} s{_summary(self.workdir / m.name)}")
+        elif rc == EXIT_PREEMPTED:
+            self.preempted.append(m.name)
+            self.log(f"  {m.name}: preempted after {seconds:.0f} s; it resumes when the sweep is run again")
+        else:
+            self.failed.append(m.name)
+            where = f"; see {relative(self.workdir / LOGS_DIR / (m.name + '.log'))}" if self.parallel > 1 else ""
+            self.log(f"  {m.name}: failed (exit {rc}) after {seconds:.0f} s{where}")
+            if rc == EXIT_USAGE and self.pending:  # a user mistake (config, data) would repeat in every member
+                self.log(f"  not starting the {len(self.pending)} remaining member(s): exit 2 is a user mistake")
+                self.pending.clear()
+
+
+def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str], None] = print) -> SweepOutcome:
+    """Prepare the sweep in `workdir` and run its unfinished members, `parallel` at a time (see
+    SweepRunner). The report is not written here: `transformer.render.write_report` does that."""
+    return SweepRunner(sweep, workdir, prepare(sweep, workdir), parallel, log).run()
 
 
 def _summary(workdir: Path) -> str:
@@ -371,13 +468,3 @@ def _summary(workdir: Path) -> str:
         return f", val loss {float(ends[-1]['val_loss']):.4f}"
     except (IndexError, KeyError, ValueError, TypeError):
         return ""
-
-
-def load_sweep(path: str | None, overrides: list[str]) -> Sweep | None:
-    """The sweep in a config file, or None when the file has no `sweep:` block."""
-    from transformer.config import load_raw
-
-    raw = load_raw(path, overrides)
-    if "sweep" not in raw:
-        return None
-    return expand(raw, str(path), tuple(overrides))

@@ -1,0 +1,167 @@
+"""Rendering a comparison report: the table, the Markdown and the HTML.
+
+`write_report(DIR)` reads the runs under DIR (`transformer.report.build`: a sweep's members or any
+run directories side by side) and writes DIR/report.md, DIR/report.html (plots embedded) and the
+plots as DIR/plots/*.png (`transformer.plots`). The numbers and their definitions are the report's;
+this module only lays them out.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from transformer.plots import plot_all
+from transformer.report import BUDGET_TAIL, LR_KEY, Report, build, format_value, mean_std, short_key
+
+REPORT_MD = "report.md"
+REPORT_HTML = "report.html"
+PLOTS_DIR = "plots"
+
+COLUMNS = [  # (header, Summary field, format)
+    ("params", "params", "{:,.0f}"),
+    ("final train loss", "final_train_loss", "{:.4f}"),
+    ("best val loss", "best_val_loss", "{:.4f}"),
+    ("best val bpb", "best_val_bpb", "{:.4f}"),
+    ("loss @ budget", "loss_at_budget", "{:.4f}"),
+    ("spikes", "spikes", "{:.1f}"),
+    ("rollbacks", "rollbacks", "{:.1f}"),
+    ("max grad norm", "max_grad_norm", "{:.3g}"),
+    ("max attn logit", "max_attn_logit", "{:.3g}"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+]
+SENSITIVITY_TITLE = "Learning-rate sensitivity (Wortsman et al. 2023)"
+SENSITIVITY_NOTE = "mean over the LR grid of min(final loss, initial loss) − best final loss; lower is more stable."
+
+Table = tuple[list[str], list[list[str]]]  # header, rows
+
+
+def _cell(mean: float, std: float | None, fmt: str) -> str:
+    if not math.isfinite(mean):
+        return "–"
+    return fmt.format(mean) + (f" ± {fmt.format(std)}" if std is not None and std > 0 else "")
+
+
+def table(report: Report) -> Table:
+    """Header and rows: one row per variant, seeds aggregated as mean ± std."""
+    keys = report.keys
+    header = [short_key(k) for k in keys] + ["seeds"] + [c[0] for c in COLUMNS] + ["diverged"]
+    stats = {field: report.aggregate(field) for _, field, _ in COLUMNS}
+    stats["params"] = {v: (float(report.summaries[runs[0].name].params), None) for v, runs in report.variants.items()}
+    rows = []
+    for variant, runs in report.variants.items():
+        first = runs[0].values
+        done = report.finished(runs)
+        row = [format_value(first.get(k)) for k in keys] + [f"{len(done)}/{len(runs)}"]
+        row += [_cell(*stats[field][variant], fmt) for _, field, fmt in COLUMNS]
+        row.append(f"{sum(report.summaries[r.name].diverged for r in done)}/{len(done)}")
+        rows.append(row)
+    return header, rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown (GitHub) table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def sensitivity_rows(report: Report) -> Table:
+    """Header and rows of the LR sensitivity: one row per setting of the other varied keys, most
+    stable first, seeds aggregated as mean ± std. No rows without a learning-rate grid."""
+    others = [k for k in report.keys if k != LR_KEY]
+    header = [short_key(k) for k in others] + ["LR sensitivity (nats)", "seeds"]
+    rows = []
+    for setting, by_seed in sorted(report.sensitivities().items(), key=lambda kv: float(np.mean(list(kv[1].values())))):
+        mean, std = mean_std(list(by_seed.values()))
+        rows.append([format_value(s) for s in setting] + [_cell(mean, std, "{:.4f}"), str(len(by_seed))])
+    return header, rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Page:
+    """What both the Markdown and the HTML report show."""
+
+    title: str
+    verdict: str
+    best: str
+    notes: list[str]
+    main: Table
+    sensitivity: Table
+    plots: list[tuple[str, Path]]  # (title, PNG)
+
+
+def _notes(report: Report) -> list[str]:
+    budget = f"{report.budget:,} tokens" if report.budget else "–"
+    return [
+        f"Runs: {len(report.runs)} in {len(report.variants)} variants; varied: {', '.join(report.keys) or 'nothing'}.",
+        f"Common token budget: {budget} (loss @ budget = mean logged train loss over its last {BUDGET_TAIL:.0%}).",
+        "Mean ± sample std over seeds. Final train loss is one batch (the same batch in every run of a seed); "
+        "loss @ budget is the steadier figure. Spikes = spike and non-finite events of the monitor; "
+        "diverged = divergence reported (loss above its first value) or the monitor stopped the run; "
+        "a run that stalls below its first loss is not counted, but the LR sensitivity charges it.",
+    ]
+
+
+def _markdown(page: _Page) -> str:
+    md = [f"# Comparison: {page.title}", "", f"**Verdict.** {page.verdict}", "", page.best, "", *page.notes, ""]
+    md += [markdown_table(*page.main), ""]
+    if page.sensitivity[1]:
+        md += [f"## {SENSITIVITY_TITLE}", "", SENSITIVITY_NOTE, "", markdown_table(*page.sensitivity), ""]
+    md += ["## Plots", ""] + [f"![{title}]({PLOTS_DIR}/{path.name})" for title, path in page.plots] + [""]
+    return "\n".join(md)
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _html(page: _Page) -> str:
+    """One self-contained HTML file: the plots are embedded as base64 PNGs."""
+    images = "".join(
+        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+        f"<figcaption>{html.escape(t)}</figcaption></figure>"
+        for t, p in page.plots
+    )
+    sensitivity = (
+        f"<h2>{SENSITIVITY_TITLE}</h2><p>{SENSITIVITY_NOTE}</p>" + _html_table(*page.sensitivity)
+        if page.sensitivity[1]
+        else ""
+    )
+    style = (
+        "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:collapse;font-size:90%}"
+        "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}img{max-width:100%}"
+    )
+    title = html.escape(page.title)
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style></head><body>"
+        f"<h1>Comparison: {title}</h1><p><b>Verdict.</b> {html.escape(page.verdict)}</p><p>{html.escape(page.best)}</p>"
+        + "".join(f"<p>{html.escape(n)}</p>" for n in page.notes)
+        + _html_table(*page.main)
+        + sensitivity
+        + f"<h2>Plots</h2>{images}</body></html>"
+    )
+
+
+def write_report(directory: Path, log: Callable[[str], None] = print) -> Path:
+    """Write report.md, report.html and plots/*.png under `directory`; log the table and the verdict.
+    Returns the Markdown report's path."""
+    directory = Path(directory)
+    report = build(directory)
+    main = table(report)
+    plots = plot_all(report, directory / PLOTS_DIR)
+    page = _Page(
+        directory.name, report.verdict(), report.best_loss_line(), _notes(report), main, sensitivity_rows(report), plots
+    )
+    (directory / REPORT_MD).write_text(_markdown(page))
+    (directory / REPORT_HTML).write_text(_html(page))
+    log(markdown_table(*page.main))
+    log(f"verdict: {page.verdict}")
+    return directory / REPORT_MD
