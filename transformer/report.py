@@ -32,15 +32,16 @@ from typing import Any
 import numpy as np
 
 from transformer import rundir
-from transformer.config import SAFE_ON_RESUME, Config, flatten
+from transformer.config import RUN_BOOKKEEPING, Config, flatten
 from transformer.config_loader import load_config
 from transformer.sweep import LR_KEY, MANIFEST, default_compare, member_config_path
 
 SPIKES = ("spike", "nonfinite")
 BUDGET_TAIL = 0.1  # the loss at a token budget averages the logged losses over its last 10%
-# Keys that never make runs side by side different variants: what may change on resume (how long,
-# what is logged, where it runs) and the seed (runs that differ only in it are repeats of a variant).
-NOT_VARIANTS = ("train.seed", *SAFE_ON_RESUME)
+# Keys that never make runs side by side different variants: the bookkeeping that may change on
+# resume (how long, what is logged, where it runs) and the seed (runs that differ only in it are
+# repeats of a variant). Execution keys (remat, scan) stay: their runs differ in speed and memory.
+NOT_VARIANTS = ("train.seed", *RUN_BOOKKEEPING)
 
 
 def format_value(value: Any) -> str:
