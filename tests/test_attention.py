@@ -10,7 +10,7 @@ from conftest import ATTENTION_VARIANTS, POSITIONS, build, tiny
 from flax import nnx
 
 from transformer.model.attention import Attention, attend_einsum, attention_mask
-from transformer.model.layers import alibi_bias, alibi_slopes, rope
+from transformer.model.positions import alibi_bias, alibi_slopes, rope
 
 T = 8
 
@@ -23,7 +23,8 @@ def input_jacobian(model, x_BxTxD, positions_BxT=None, segment_ids_BxT=None):
     probe_TxD = jax.random.normal(jax.random.key(7), (T_, D))
 
     def out(x):
-        return jnp.sum(model.run_blocks(x, positions_BxT, segment_ids_BxT)[0] * probe_TxD, axis=-1)
+        out_BxTxD, _ = model.run_blocks(x, positions_BxT, segment_ids_BxT)
+        return jnp.sum(out_BxTxD[0] * probe_TxD, axis=-1)
 
     jac_TxTxD = jax.jit(jax.jacrev(out))(x_BxTxD)[:, 0]
     return np.asarray(jnp.sum(jnp.abs(jac_TxTxD), axis=-1))
@@ -111,7 +112,8 @@ def reference_attention(x_TxD, qkv_DxKxCxH, out_NxHxD, scale, window=None, softc
 
 def run_attention(module, x_BxTxD, window=None, segment_ids=None):
     positions = jnp.broadcast_to(jnp.arange(x_BxTxD.shape[1]), x_BxTxD.shape[:2])
-    return module(x_BxTxD, positions, segment_ids, window)
+    y_BxTxD, _ = module(x_BxTxD, positions, segment_ids, window)
+    return y_BxTxD
 
 
 @pytest.mark.parametrize("impl", ["xla", "einsum"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
@@ -61,14 +61,23 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+# A size the user may leave out (null) and __post_init__ then derives. The loader reads the schema's
+# `int | None`; the type checker is told `int`, the only type a constructed ModelConfig ever holds.
+if TYPE_CHECKING:
+    DerivedInt = int
+else:
+    DerivedInt = int | None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; otherwise GQA
-    head_dim: int | None = None  # None: d_model // n_heads
-    d_ff: int | None = None  # None: 4*D for MLPs, 8*D/3 for gated FFNs, rounded up to ffn_multiple
+    n_kv_heads: DerivedInt = None  # type: ignore[assignment]  # None: = n_heads (MHA); 1: MQA; otherwise GQA
+    head_dim: DerivedInt = None  # type: ignore[assignment]  # None: d_model // n_heads
+    # d_ff None: 4*D for MLPs, 8*D/3 for gated FFNs, rounded up to ffn_multiple
+    d_ff: DerivedInt = None  # type: ignore[assignment]
     ffn_multiple: int = 64
     vocab_size: int = 259  # the tokenizer's vocabulary (byte tokenizer: 256 bytes + BOS, EOS, PAD)
     vocab_multiple: int = 64  # the embedding table is padded up to a multiple of this
@@ -166,7 +175,7 @@ class ModelConfig:
             "attention_impl",
             "cudnn attention runs in bfloat16 or float16; set model.dtype accordingly",
         )
-        _check(
+        _check(  # a learned table needs a last row: see max_positions
             self.position != "learned" or self.max_seq_len is not None,
             "max_seq_len",
             "learned positions need a maximum length (model.max_seq_len or data.seq_len)",
@@ -218,17 +227,14 @@ class ModelConfig:
         return self.deepnorm_alpha if self.norm_position == "deepnorm" else 1.0
 
     @property
-    def residual_init_std(self) -> float:
-        """Init std of the projections that write into the residual stream (attention out, FFN out)."""
-        if self.norm_position == "deepnorm":
-            return self.init_std * self.deepnorm_beta
-        if self.init_depth_scaled:
-            return self.init_std / math.sqrt(2 * self.n_layers)
-        return self.init_std
+    def max_positions(self) -> int | None:
+        """The most positions the model can encode: the rows of a learned table. None for the
+        schemes computed from the position itself, which encode any position."""
+        return self.max_seq_len if self.position == "learned" else None
 
-    @property
-    def value_init_std(self) -> float:
-        return self.init_std * (self.deepnorm_beta if self.norm_position == "deepnorm" else 1.0)
+    def fits_positions(self, length: int) -> bool:
+        """Whether every position of a `length`-token sequence has an encoding."""
+        return self.max_positions is None or length <= self.max_positions
 
     @property
     def scale(self) -> float:
@@ -499,17 +505,11 @@ def _to_dict(obj: Any) -> dict[str, Any]:
 # --- comparing configs ----------------------------------------------------------------------------
 
 # Keys that may change when a run is resumed: they change how long it runs, what it logs and where
-# it runs, never the trajectory of the updates it has made so far.
-SAFE_ON_RESUME = (
-    "train.steps",
-    "train.eval_every",
-    "logging.",
-    "checkpoint.",
-    "mesh.",
-    "data.cache_dir",
-    "model.remat",
-    "model.scan_layers",
-)
+# it runs, never the trajectory of the updates it has made so far. The execution keys change speed and
+# memory (which a comparison of runs may be about), the others only bookkeeping.
+RUN_BOOKKEEPING = ("train.steps", "train.eval_every", "logging.", "checkpoint.", "mesh.", "data.cache_dir")
+EXECUTION = ("model.remat", "model.scan_layers")
+SAFE_ON_RESUME = RUN_BOOKKEEPING + EXECUTION
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

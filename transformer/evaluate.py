@@ -91,7 +91,7 @@ def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: in
                 f"prompt {text[:30]!r}... is {len(ids)} tokens, longer than the context of {cfg.model.max_seq_len}",
             )
         longest = len(ids) + sampling.max_new_tokens
-        if cfg.model.position == "learned" and longest > cfg.model.max_seq_len:  # no position beyond the table
+        if not cfg.model.fits_positions(longest):
             raise ConfigError(
                 "--generate",
                 f"prompt {text[:30]!r}... is {len(ids)} tokens; with --max-new-tokens {sampling.max_new_tokens} "

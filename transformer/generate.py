@@ -64,7 +64,7 @@ def generate(
 ) -> list[list[int]]:
     """New tokens for each prompt (without the prompt), stopping at EOS (not included)."""
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens
-    if model.cfg.position == "learned" and max_len > model.cfg.max_seq_len:
+    if not model.cfg.fits_positions(max_len):
         raise ValueError(
             f"prompt plus new tokens ({max_len}) exceed the model's context of {model.cfg.max_seq_len} tokens"
         )

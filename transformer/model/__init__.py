@@ -1,3 +1,14 @@
+"""The model package. Each module owns one concern and imports only those listed above it:
+
+- `positions.py`: the position encodings and the one dispatcher (`positions_for`) that decides
+  what the configured scheme contributes: added to the embeddings, a rotation of q and k, a logit
+  bias, or nothing;
+- `layers.py`: parameters with logical axes, the initialisation scales (`InitScales`), norms, FFNs;
+- `attention.py`: causal self-attention (MHA/GQA/MQA, windows, documents) and the KV cache;
+- `transformer.py`: the block (norm placement), the layer stack (scan, remat), the `Transformer`;
+- `summary.py`: parameter counts, FLOPs and KV-cache bytes per token, the `--dry-run` summary.
+"""
+
 from transformer.model.transformer import Block, Transformer
 
 __all__ = ["Block", "Transformer"]

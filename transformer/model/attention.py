@@ -7,12 +7,21 @@ grouping `jax.nn.dot_product_attention` uses, and sharding the K axis keeps each
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import ModelConfig
-from transformer.model.layers import Norm, alibi_bias, const_param, dropout, normal_param, rope
+from transformer.model.layers import InitScales, Norm, const_param, dropout, normal_param
+from transformer.model.positions import positions_for
+
+# A layer's sliding window: a size, None (full causal attention), or a traced size inside the layer
+# scan over a per-layer pattern.
+Window = int | jax.Array | None
+# One layer's KV cache: "k" and "v" [B, S, K, H] and "pos" [B, S] (-1: an empty slot).
+KVCache = dict[str, jax.Array]
 
 # A finite stand-in for -inf: a fully masked row then softmaxes to uniform weights instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -21,7 +30,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 def attention_mask(
     q_index_T: jax.Array,
     k_index_S: jax.Array,
-    window: int | jax.Array | None,
+    window: Window,
     q_segments_BxT: jax.Array | None = None,
     k_segments_BxS: jax.Array | None = None,
 ) -> jax.Array:
@@ -30,12 +39,14 @@ def attention_mask(
     if window is not None:
         allowed_TxS &= q_index_T[:, None] - k_index_S[None, :] < window
     allowed_BxTxS = allowed_TxS[None]
-    if q_segments_BxT is not None:
+    if q_segments_BxT is not None and k_segments_BxS is not None:
         allowed_BxTxS = allowed_BxTxS & (q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :])
     return allowed_BxTxS
 
 
-def attention_logits(q_BxTxKxGxH, k_BxSxKxH, bias_BxKxGxTxS, cfg: ModelConfig) -> jax.Array:
+def attention_logits(
+    q_BxTxKxGxH: jax.Array, k_BxSxKxH: jax.Array, bias_BxKxGxTxS: jax.Array | None, cfg: ModelConfig
+) -> jax.Array:
     """Float32 logits before masking: scaled scores, soft-capped, plus the position bias."""
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
     scores_BxKxGxTxS = scores * cfg.scale
@@ -46,7 +57,7 @@ def attention_logits(q_BxTxKxGxH, k_BxSxKxH, bias_BxKxGxTxS, cfg: ModelConfig) -
     return scores_BxKxGxTxS
 
 
-def attention_stats(logits_BxKxGxTxS, mask_BxTxS) -> dict[str, jax.Array]:
+def attention_stats(logits_BxKxGxTxS: jax.Array, mask_BxTxS: jax.Array) -> dict[str, jax.Array]:
     """Max and mean of the attended logits, and the entropy of each query's attention (mean over
     batch, heads and positions): the quantities that blow up in attention-logit growth."""
     allowed = jnp.broadcast_to(mask_BxTxS[:, None, None], logits_BxKxGxTxS.shape)
@@ -60,7 +71,15 @@ def attention_stats(logits_BxKxGxTxS, mask_BxTxS) -> dict[str, jax.Array]:
     }
 
 
-def attend_einsum(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, bias_BxKxGxTxS, cfg: ModelConfig, key):
+def attend_einsum(
+    q_BxTxKxGxH: jax.Array,
+    k_BxSxKxH: jax.Array,
+    v_BxSxKxH: jax.Array,
+    mask_BxTxS: jax.Array,
+    bias_BxKxGxTxS: jax.Array | None,
+    cfg: ModelConfig,
+    key: jax.Array | None,
+) -> jax.Array:
     """Reference attention in plain einsums; the only path with soft-capping and attention dropout."""
     scores_BxKxGxTxS = attention_logits(q_BxTxKxGxH, k_BxSxKxH, bias_BxKxGxTxS, cfg)
     scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, MASK_VALUE)
@@ -69,44 +88,69 @@ def attend_einsum(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, bias_BxKxGxTxS,
     return jnp.einsum("BKGTS,BSKH->BTKGH", probs_BxKxGxTxS, v_BxSxKxH)
 
 
+class Keys(NamedTuple):
+    """What the queries attend to: keys and values with their positions, and how they may."""
+
+    k_BxSxKxH: jax.Array
+    v_BxSxKxH: jax.Array
+    positions_BxS: jax.Array
+    mask_BxTxS: jax.Array | None  # None: the library masks by itself (static)
+    static: bool  # causal by token index with a window known at trace time: the library's own masking
+
+
 class Attention(nnx.Module):
+    """Causal self-attention over the K kv heads' G query heads each, with the configured positions."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.positions = positions_for(cfg)
+        scales = InitScales.of(cfg)
         D, N, K, G, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_groups, cfg.head_dim
-        qkv = normal_param(rngs, (D, K, G + 2, H), ("embed", "kv_heads", None, "head_dim"), cfg.init_std, cfg)
-        # DeepNet scales the value projection's init by beta (1 otherwise).
-        qkv[...] = qkv[...].at[:, :, G + 1].multiply(cfg.value_init_std / cfg.init_std)
+        qkv = normal_param(rngs, (D, K, G + 2, H), ("embed", "kv_heads", None, "head_dim"), scales.qkv, cfg)
+        # One draw for the fused weight, then the value slice rescaled: the random stream is the
+        # same whatever the value scale.
+        qkv[...] = qkv[...].at[:, :, G + 1].multiply(scales.value / scales.qkv)
         self.qkv = qkv
         self.qkv_bias = const_param(0.0, (K, G + 2, H), ("kv_heads", None, "head_dim"), cfg) if cfg.use_bias else None
-        self.out = normal_param(rngs, (N, H, D), ("heads", "head_dim", "embed"), cfg.residual_init_std, cfg)
+        self.out = normal_param(rngs, (N, H, D), ("heads", "head_dim", "embed"), scales.attn_out, cfg)
         self.out_bias = const_param(0.0, (D,), ("embed",), cfg) if cfg.use_bias else None
-        if cfg.qk_norm:
-            self.q_norm = Norm(cfg, dim=H, axis_name="head_dim", kind="rmsnorm")
-            self.k_norm = Norm(cfg, dim=H, axis_name="head_dim", kind="rmsnorm")
-        else:
-            self.q_norm = self.k_norm = None
+        self.q_norm = Norm(cfg, dim=H, axis_name="head_dim", kind="rmsnorm") if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, dim=H, axis_name="head_dim", kind="rmsnorm") if cfg.qk_norm else None
 
     def __call__(
         self,
         x_BxTxD: jax.Array,
         positions_BxT: jax.Array,
         segment_ids_BxT: jax.Array | None,
-        window: int | jax.Array | None,
+        window: Window,
         key: jax.Array | None = None,
-        cache: dict | None = None,
+        cache: KVCache | None = None,
         index: int | jax.Array = 0,
         collect: bool = False,
-    ):
-        """Attention output [B, T, D]; with a `cache` (decoding), also the updated cache.
+    ) -> tuple[jax.Array, KVCache | None]:
+        """(attention output [B, T, D], the updated cache; None without a cache).
 
         Without a cache, causality and windows follow the token index (training, evaluation).
-        With one, they follow positions: the new tokens attend to the cached keys and to each other,
-        and keys with position -1 (empty slots, left padding) are never attended to.
+        With one (decoding), they follow positions: the new tokens attend to the cached keys and to
+        each other, and keys with position -1 (empty slots, left padding) are never attended to.
+        With `collect`, the attention statistics are sown (see `sow_stats`).
         """
-        cfg = self.cfg
-        B, T, _ = x_BxTxD.shape
-        G, N, H = cfg.n_kv_groups, cfg.n_heads, cfg.head_dim
+        q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH = self.project(x_BxTxD, positions_BxT)
+        keys, new_cache = self.keys_and_mask(k_BxTxKxH, v_BxTxKxH, positions_BxT, segment_ids_BxT, window, cache, index)
+        bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS)
+        if collect:
+            self.sow_stats(q_BxTxKxGxH, keys, bias_BxNxTxS, segment_ids_BxT, window)
+        out_BxTxNxH = self.attend(q_BxTxKxGxH, keys, bias_BxNxTxS, window, key)
         dtype = x_BxTxD.dtype
+        y_BxTxD = jnp.einsum("BTNH,NHD->BTD", out_BxTxNxH, self.out[...].astype(dtype))
+        if self.out_bias is not None:
+            y_BxTxD = y_BxTxD + self.out_bias[...].astype(dtype)
+        return y_BxTxD, new_cache
+
+    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(q [B, T, K, G, H], k [B, T, K, H], v [B, T, K, H]): the fused projection, qk-norm, and
+        the rotation the position scheme applies to queries and keys."""
+        G, dtype = self.cfg.n_kv_groups, x_BxTxD.dtype
         qkv_BxTxKxCxH = jnp.einsum("BTD,DKCH->BTKCH", x_BxTxD, self.qkv[...].astype(dtype))
         if self.qkv_bias is not None:
             qkv_BxTxKxCxH = qkv_BxTxKxCxH + self.qkv_bias[...].astype(dtype)
@@ -114,61 +158,98 @@ class Attention(nnx.Module):
         k_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G]
         v_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G + 1]
         if self.q_norm is not None:
-            q_BxTxKxGxH, k_BxTxKxH = self.q_norm(q_BxTxKxGxH), self.k_norm(k_BxTxKxH)
-        if cfg.position == "rope":
-            q_BxTxKxGxH = rope(q_BxTxKxGxH, positions_BxT, cfg.rope_theta)
-            k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_theta)
+            q_BxTxKxGxH = self.q_norm(q_BxTxKxGxH)
+        if self.k_norm is not None:
+            k_BxTxKxH = self.k_norm(k_BxTxKxH)
+        q_BxTxKxGxH = self.positions.rotate(q_BxTxKxGxH, positions_BxT)
+        k_BxTxKxH = self.positions.rotate(k_BxTxKxH, positions_BxT)
+        return q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH
 
-        new_cache = None
+    def keys_and_mask(
+        self,
+        k_BxTxKxH: jax.Array,
+        v_BxTxKxH: jax.Array,
+        positions_BxT: jax.Array,
+        segment_ids_BxT: jax.Array | None,
+        window: Window,
+        cache: KVCache | None,
+        index: int | jax.Array,
+    ) -> tuple[Keys, KVCache | None]:
+        """The keys the new tokens attend to and their mask, and the cache with the new entries."""
         if cache is None:
-            k_BxSxKxH, v_BxSxKxH, k_positions_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
-            index_T = jnp.arange(T)
             # A static window and no documents use the library's own causal/local masking (which
             # fused kernels understand); a traced window or segment ids need an explicit mask.
             static = segment_ids_BxT is None and not isinstance(window, jax.Array)
             mask_BxTxS = None
-            if not static or cfg.attention_impl == "einsum":
+            if not static or self.cfg.attention_impl == "einsum":
+                index_T = jnp.arange(k_BxTxKxH.shape[1])
                 mask_BxTxS = attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT)
-        else:
-            static = False
-            k_BxSxKxH = jnp.concatenate([cache["k"].astype(dtype), k_BxTxKxH], axis=1)
-            v_BxSxKxH = jnp.concatenate([cache["v"].astype(dtype), v_BxTxKxH], axis=1)
-            k_positions_BxS = jnp.concatenate([cache["pos"], positions_BxT], axis=1)
-            mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
-            new_cache = write_cache(cache, k_BxTxKxH, v_BxTxKxH, positions_BxT, index)
+            return Keys(k_BxTxKxH, v_BxTxKxH, positions_BxT, mask_BxTxS, static), None
+        dtype = k_BxTxKxH.dtype
+        k_BxSxKxH = jnp.concatenate([cache["k"].astype(dtype), k_BxTxKxH], axis=1)
+        v_BxSxKxH = jnp.concatenate([cache["v"].astype(dtype), v_BxTxKxH], axis=1)
+        k_positions_BxS = jnp.concatenate([cache["pos"], positions_BxT], axis=1)
+        mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
+        keys = Keys(k_BxSxKxH, v_BxSxKxH, k_positions_BxS, mask_BxTxS, static=False)
+        return keys, write_cache(cache, k_BxTxKxH, v_BxTxKxH, positions_BxT, index)
 
-        bias_BxNxTxS = None
-        if cfg.position == "alibi":
-            bias_BxNxTxS = alibi_bias(N, positions_BxT, k_positions_BxS)
-        S = k_BxSxKxH.shape[1]
-        if collect:  # stability statistics (sown; a separate, occasional forward pass asks for them)
-            bias = None if bias_BxNxTxS is None else bias_BxNxTxS.reshape(B, cfg.n_kv_heads, G, T, S)
-            logits = attention_logits(q_BxTxKxGxH, k_BxSxKxH, bias, cfg)
-            full_mask = mask_BxTxS
-            if full_mask is None:
-                full_mask = attention_mask(jnp.arange(T), jnp.arange(S), window, segment_ids_BxT, segment_ids_BxT)
-            for name, value in attention_stats(logits, full_mask).items():
-                self.sow(nnx.Intermediate, name, value)
+    def attend(
+        self,
+        q_BxTxKxGxH: jax.Array,
+        keys: Keys,
+        bias_BxNxTxS: jax.Array | None,
+        window: Window,
+        key: jax.Array | None,
+    ) -> jax.Array:
+        """Attention of every query head to its kv head's keys: out [B, T, N, H]."""
+        cfg = self.cfg
+        B, T, K, G, H = q_BxTxKxGxH.shape
         if cfg.attention_impl == "einsum":
-            bias = None if bias_BxNxTxS is None else bias_BxNxTxS.reshape(B, cfg.n_kv_heads, G, T, S)
-            out_BxTxKxGxH = attend_einsum(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, bias, cfg, key)
-            out_BxTxNxH = out_BxTxKxGxH.reshape(B, T, N, H)
-        else:
-            out_BxTxNxH = jax.nn.dot_product_attention(
-                q_BxTxKxGxH.reshape(B, T, N, H),
-                k_BxSxKxH,
-                v_BxSxKxH,
-                bias=None if bias_BxNxTxS is None else bias_BxNxTxS.astype(dtype),
-                mask=None if mask_BxTxS is None else mask_BxTxS[:, None],
-                scale=cfg.scale,
-                is_causal=static,
-                local_window_size=(window - 1, 0) if static and window is not None else None,
-                implementation=cfg.attention_impl,
+            assert keys.mask_BxTxS is not None, "keys_and_mask always masks explicitly for einsum"
+            bias_BxKxGxTxS = group_heads(bias_BxNxTxS, K, G)
+            out_BxTxKxGxH = attend_einsum(
+                q_BxTxKxGxH, keys.k_BxSxKxH, keys.v_BxSxKxH, keys.mask_BxTxS, bias_BxKxGxTxS, cfg, key
             )
-        y_BxTxD = jnp.einsum("BTNH,NHD->BTD", out_BxTxNxH, self.out[...].astype(dtype))
-        if self.out_bias is not None:
-            y_BxTxD = y_BxTxD + self.out_bias[...].astype(dtype)
-        return y_BxTxD if cache is None else (y_BxTxD, new_cache)
+            return out_BxTxKxGxH.reshape(B, T, K * G, H)
+        static_window = window if keys.static and not isinstance(window, jax.Array) else None
+        return jax.nn.dot_product_attention(
+            q_BxTxKxGxH.reshape(B, T, K * G, H),
+            keys.k_BxSxKxH,
+            keys.v_BxSxKxH,
+            bias=None if bias_BxNxTxS is None else bias_BxNxTxS.astype(q_BxTxKxGxH.dtype),
+            mask=None if keys.mask_BxTxS is None else keys.mask_BxTxS[:, None],
+            scale=cfg.scale,
+            is_causal=keys.static,
+            local_window_size=None if static_window is None else (static_window - 1, 0),
+            implementation=cfg.attention_impl,
+        )
+
+    def sow_stats(
+        self,
+        q_BxTxKxGxH: jax.Array,
+        keys: Keys,
+        bias_BxNxTxS: jax.Array | None,
+        segment_ids_BxT: jax.Array | None,
+        window: Window,
+    ) -> None:
+        """Sow the attention statistics (`attention_stats`) as nnx.Intermediate. They cost a second
+        computation of the logits, so only a separate, occasional forward pass asks for them."""
+        _, T, K, G, _ = q_BxTxKxGxH.shape
+        S = keys.k_BxSxKxH.shape[1]
+        logits_BxKxGxTxS = attention_logits(q_BxTxKxGxH, keys.k_BxSxKxH, group_heads(bias_BxNxTxS, K, G), self.cfg)
+        mask_BxTxS = keys.mask_BxTxS
+        if mask_BxTxS is None:
+            mask_BxTxS = attention_mask(jnp.arange(T), jnp.arange(S), window, segment_ids_BxT, segment_ids_BxT)
+        for name, value in attention_stats(logits_BxKxGxTxS, mask_BxTxS).items():
+            self.sow(nnx.Intermediate, name, value)
+
+
+def group_heads(bias_BxNxTxS: jax.Array | None, K: int, G: int) -> jax.Array | None:
+    """A per-query-head bias laid out by kv head and group, [B, K, G, T, S] (query head n = k*G + g)."""
+    if bias_BxNxTxS is None:
+        return None
+    B, _, T, S = bias_BxNxTxS.shape
+    return bias_BxNxTxS.reshape(B, K, G, T, S)
 
 
 # --- the KV cache --------------------------------------------------------------------------------
@@ -179,7 +260,8 @@ def cache_size(window: int | None, max_len: int) -> int:
     return max_len if window is None else min(window, max_len)
 
 
-def init_cache(cfg: ModelConfig, batch: int, size: int) -> dict:
+def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
+    """An empty cache of `size` entries for one layer."""
     shape = (batch, size, cfg.n_kv_heads, cfg.head_dim)
     return {
         "k": jnp.zeros(shape, cfg.dtype),
@@ -188,7 +270,9 @@ def init_cache(cfg: ModelConfig, batch: int, size: int) -> dict:
     }
 
 
-def write_cache(cache: dict, k_BxTxKxH, v_BxTxKxH, positions_BxT, index) -> dict:
+def write_cache(
+    cache: KVCache, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array, positions_BxT: jax.Array, index: int | jax.Array
+) -> KVCache:
     """Store the T new entries at absolute indices index..index+T-1 in slots index % size; of more
     than `size` new entries only the last `size` can stay."""
     size, T = cache["pos"].shape[1], k_BxTxKxH.shape[1]
@@ -204,7 +288,7 @@ def write_cache(cache: dict, k_BxTxKxH, v_BxTxKxH, positions_BxT, index) -> dict
     }
 
 
-def position_mask(q_positions_BxT, k_positions_BxS, window) -> jax.Array:
+def position_mask(q_positions_BxT: jax.Array, k_positions_BxS: jax.Array, window: Window) -> jax.Array:
     """mask[b, t, s]: key s is filled (position >= 0), not after query t, and inside its window."""
     q, k = q_positions_BxT[:, :, None], k_positions_BxS[:, None, :]
     allowed = (k >= 0) & (k <= q)

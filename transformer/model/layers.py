@@ -1,8 +1,9 @@
-"""Building blocks: parameters with logical axes, norms, feed-forward layers, position encodings.
+"""Building blocks: parameters with logical axes and their initial scales, norms, feed-forward layers.
 
 Axis legend (einsum strings and tensor-name suffixes): B batch, T query positions, S key positions,
 D model width, N query heads, K kv heads, G query heads per kv head (N = K*G), H head dim,
-F FFN width, V vocab, L layers.
+F FFN width, V vocab, L layers; C the parts of a fused projection (G + 2 for queries, key and
+value; 2 for gate and up), P the rows of a learned position table.
 
 Every parameter is an `nnx.Param` carrying `axes`, a tuple of logical axis names; the model never
 places anything on devices itself: `transformer/sharding.py` maps those names to mesh axes.
@@ -10,6 +11,7 @@ places anything on devices itself: `transformer/sharding.py` maps those names to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -18,18 +20,56 @@ from flax import nnx
 
 from transformer.config import ModelConfig
 
-
-def dtype_of(name: str) -> jnp.dtype:
-    return jnp.dtype(name)
+Axes = tuple[str | None, ...]  # a parameter's logical axis names, one per dimension (None: replicated)
 
 
-def normal_param(rngs: nnx.Rngs, shape, axes, std: float, cfg: ModelConfig) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float, cfg: ModelConfig) -> nnx.Param:
+    """A parameter drawn from N(0, std^2) in float32 (one draw from `rngs.params()`), stored in param_dtype."""
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value.astype(cfg.param_dtype), axes=axes)
 
 
-def const_param(value: float, shape, axes, cfg: ModelConfig) -> nnx.Param:
+def const_param(value: float, shape: tuple[int, ...], axes: Axes, cfg: ModelConfig) -> nnx.Param:
+    """A parameter filled with `value` (norm gains, biases)."""
     return nnx.Param(jnp.full(shape, value, cfg.param_dtype), axes=axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class InitScales:
+    """The standard deviation each weight is drawn with: every scale the model uses, decided here."""
+
+    embedding: float
+    positions: float  # the learned position table
+    qkv: float  # queries and keys; values are drawn with it, then rescaled to `value`
+    value: float
+    attn_out: float
+    ffn_in: float
+    ffn_out: float
+    head: float  # an untied output head
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> InitScales:
+        """The scales of `cfg`: init_std throughout, except where the norm placement changes it."""
+        std = cfg.init_std
+        if cfg.norm_position == "deepnorm":
+            # DeepNet (Wang et al. 2022) shrinks by beta what carries values into the residual
+            # stream: the value and FFN input projections and both output projections.
+            carry = residual = std * cfg.deepnorm_beta
+        elif cfg.init_depth_scaled:
+            # GPT-2: the L*2 writes into the residual stream add up, so each shrinks with depth.
+            carry, residual = std, std / math.sqrt(2 * cfg.n_layers)
+        else:
+            carry, residual = std, std
+        return cls(
+            embedding=std,
+            positions=std,
+            qkv=std,
+            value=carry,
+            attn_out=residual,
+            ffn_in=carry,
+            ffn_out=residual,
+            head=std,
+        )
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -73,17 +113,19 @@ ACTIVATIONS = {
 
 
 class FFN(nnx.Module):
+    """The feed-forward sublayer: a two-layer MLP, or a gated linear unit for the GATED_FFNS."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         D, F = cfg.d_model, cfg.d_ff
-        std_in = cfg.value_init_std  # DeepNet scales the FFN input projection by beta too
+        scales = InitScales.of(cfg)
         if cfg.gated_ffn:  # gate and up projection fused: C = 2
-            self.w_in = normal_param(rngs, (D, 2, F), ("embed", None, "mlp"), std_in, cfg)
+            self.w_in = normal_param(rngs, (D, 2, F), ("embed", None, "mlp"), scales.ffn_in, cfg)
             self.b_in = const_param(0.0, (2, F), (None, "mlp"), cfg) if cfg.use_bias else None
         else:
-            self.w_in = normal_param(rngs, (D, F), ("embed", "mlp"), std_in, cfg)
+            self.w_in = normal_param(rngs, (D, F), ("embed", "mlp"), scales.ffn_in, cfg)
             self.b_in = const_param(0.0, (F,), ("mlp",), cfg) if cfg.use_bias else None
-        self.w_out = normal_param(rngs, (F, D), ("mlp", "embed"), cfg.residual_init_std, cfg)
+        self.w_out = normal_param(rngs, (F, D), ("mlp", "embed"), scales.ffn_out, cfg)
         self.b_out = const_param(0.0, (D,), ("embed",), cfg) if cfg.use_bias else None
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -104,48 +146,3 @@ class FFN(nnx.Module):
         if self.b_out is not None:
             y_BxTxD = y_BxTxD + self.b_out[...].astype(dtype)
         return y_BxTxD
-
-
-# --- position encodings --------------------------------------------------------------------------
-
-
-def rope(x: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (Su et al. 2021) of x[B, T, ..., H], rotating (first half, second half) pairs."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-    angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def sinusoidal(positions_BxT: jax.Array, d_model: int) -> jax.Array:
-    """The fixed encoding of Vaswani et al. 2017: sin in even and cos in odd channels."""
-    half = d_model // 2
-    inv_freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) * 2 / d_model)
-    angle_BxTxHalf = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-    pe = jnp.stack([jnp.sin(angle_BxTxHalf), jnp.cos(angle_BxTxHalf)], axis=-1)
-    return pe.reshape(positions_BxT.shape + (d_model,))
-
-
-def alibi_slopes(n_heads: int) -> jnp.ndarray:
-    """Head slopes of ALiBi (Press et al. 2022): a geometric sequence from 2^(-8/n); for a head count
-    that is not a power of two, the closest power's slopes plus every other slope of the next one."""
-
-    def power_of_two(n):
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-
-    if math.log2(n_heads).is_integer():
-        slopes = power_of_two(n_heads)
-    else:
-        closest = 2 ** math.floor(math.log2(n_heads))
-        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
-    return jnp.asarray(slopes, jnp.float32)
-
-
-def alibi_bias(n_heads: int, q_positions_BxT: jax.Array, k_positions_BxS: jax.Array) -> jax.Array:
-    """bias[b, n, t, s] = -slope[n] * (pos_q[t] - pos_k[s]); only causal entries survive the mask."""
-    distance_BxTxS = (q_positions_BxT[:, :, None] - k_positions_BxS[:, None, :]).astype(jnp.float32)
-    return -alibi_slopes(n_heads)[None, :, None, None] * distance_BxTxS[:, None]

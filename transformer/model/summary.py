@@ -7,11 +7,16 @@ configurations, so the numbers printed by `--dry-run` and used for MFU can be tr
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import ModelConfig
+from transformer.model.positions import positions_for
+
+if TYPE_CHECKING:
+    from transformer.model.transformer import Transformer
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -30,13 +35,14 @@ def count_params(cfg: ModelConfig) -> int:
     ffn = D * ffn_in + F * D + ((ffn_in + D) if cfg.use_bias else 0)
     per_layer = attention + ffn + cfg.norms_per_block * norm
     total = V * D + L * per_layer
-    total += cfg.max_seq_len * D if cfg.position == "learned" else 0
+    table = positions_for(cfg).table_shape
+    total += math.prod(table) if table is not None else 0
     total += norm if cfg.final_norm else 0
     total += 0 if cfg.tie_embeddings else D * V
     return total
 
 
-def abstract_model(cfg: ModelConfig):
+def abstract_model(cfg: ModelConfig) -> Transformer:
     """The model with shapes only (nothing allocated): cheap even for billions of parameters."""
     from transformer.model.transformer import Transformer
 
@@ -97,6 +103,7 @@ def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
 
 
 def summary_text(cfg: ModelConfig, seq_len: int) -> str:
+    """What `--dry-run` prints about the model: its shape, parameters by component, FLOPs, KV cache."""
     by_component = params_by_component(cfg)
     total = sum(by_component.values())
     windows = cfg.layer_windows

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import GLOBAL_WINDOW, ModelConfig
-from transformer.model.attention import MASK_VALUE, Attention, cache_size, init_cache
-from transformer.model.layers import FFN, Norm, dropout, normal_param, sinusoidal
+from transformer.model.attention import MASK_VALUE, Attention, KVCache, Window, cache_size, init_cache
+from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param
+from transformer.model.positions import positions_for
+
+# Statistics by name: scalars as one block sows them, or [L] when stacked over the layers.
+Stats = dict[str, jax.Array]
+# One block on the residual stream: (x, the block's state, dropout key, window) -> (x, stats).
+BlockStep = Callable[[jax.Array, nnx.State, jax.Array | None, Window], tuple[jax.Array, Stats]]
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -30,38 +38,61 @@ class Block(nnx.Module):
         self.attn_out_norm = Norm(cfg) if sandwich else None
         self.ffn_out_norm = Norm(cfg) if sandwich else None
 
-    def residual(self, x, sublayer, norm, out_norm, key):
-        """The one place where norm placement is decided."""
+    # sublayer_input and add_sublayer are the one place where norm placement is decided.
+    def sublayer_input(self, x_BxTxD: jax.Array, norm: Norm) -> jax.Array:
+        """What a sublayer reads: the normalised stream (pre, sandwich) or the stream itself (post and
+        DeepNorm normalise after the residual add instead)."""
+        return norm(x_BxTxD) if self.cfg.norm_position in ("pre", "sandwich") else x_BxTxD
+
+    def add_sublayer(
+        self, x_BxTxD: jax.Array, y_BxTxD: jax.Array, norm: Norm, out_norm: Norm | None, key: jax.Array | None
+    ) -> jax.Array:
+        """The residual stream x after adding y, the sublayer's output on `sublayer_input(x)`."""
         rate = self.cfg.dropout
         match self.cfg.norm_position:
             case "pre":  # x + f(N(x))
-                return x + dropout(sublayer(norm(x)), rate, key)
+                return x_BxTxD + dropout(y_BxTxD, rate, key)
             case "post":  # N(x + f(x)), the original Transformer
-                return norm(x + dropout(sublayer(x), rate, key))
+                return norm(x_BxTxD + dropout(y_BxTxD, rate, key))
             case "sandwich":  # x + N2(f(N1(x))), a.k.a. peri-LN
-                return x + dropout(out_norm(sublayer(norm(x))), rate, key)
+                assert out_norm is not None, "sandwich blocks have output norms"
+                return x_BxTxD + dropout(out_norm(y_BxTxD), rate, key)
             case "deepnorm":  # N(alpha*x + f(x)), DeepNet
-                return norm(self.cfg.residual_alpha * x + dropout(sublayer(x), rate, key))
+                return norm(self.cfg.residual_alpha * x_BxTxD + dropout(y_BxTxD, rate, key))
         raise AssertionError(self.cfg.norm_position)
 
-    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, window, key=None, cache=None, index=0, collect=False):
-        """The block's output; with a KV `cache` (decoding), (output, updated cache). With `collect`,
+    def residual(
+        self,
+        x_BxTxD: jax.Array,
+        sublayer: Callable[[jax.Array], jax.Array],
+        norm: Norm,
+        out_norm: Norm | None,
+        key: jax.Array | None,
+    ) -> jax.Array:
+        """The residual stream after one sublayer under the configured norm placement."""
+        return self.add_sublayer(x_BxTxD, sublayer(self.sublayer_input(x_BxTxD, norm)), norm, out_norm, key)
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_BxT: jax.Array,
+        segment_ids_BxT: jax.Array | None,
+        window: Window,
+        key: jax.Array | None = None,
+        cache: KVCache | None = None,
+        index: int | jax.Array = 0,
+        collect: bool = False,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """(the block's output, its updated KV cache; None without a cache). With `collect`,
         statistics are sown as nnx.Intermediate (attention logits and entropy, residual RMS)."""
-        keys = (None,) * 3 if key is None else tuple(jax.random.split(key, 3))
-        new_cache = None
-
-        def attend(h):
-            nonlocal new_cache
-            if cache is None:
-                return self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0], collect=collect)
-            y, new_cache = self.attn(h, positions_BxT, segment_ids_BxT, window, keys[0], cache, index)
-            return y
-
-        x_BxTxD = self.residual(x_BxTxD, attend, self.attn_norm, self.attn_out_norm, keys[1])
-        x_BxTxD = self.residual(x_BxTxD, self.ffn, self.ffn_norm, self.ffn_out_norm, keys[2])
+        attn_key, attn_drop_key, ffn_drop_key = (None, None, None) if key is None else jax.random.split(key, 3)
+        h_BxTxD = self.sublayer_input(x_BxTxD, self.attn_norm)
+        y_BxTxD, new_cache = self.attn(h_BxTxD, positions_BxT, segment_ids_BxT, window, attn_key, cache, index, collect)
+        x_BxTxD = self.add_sublayer(x_BxTxD, y_BxTxD, self.attn_norm, self.attn_out_norm, attn_drop_key)
+        x_BxTxD = self.residual(x_BxTxD, self.ffn, self.ffn_norm, self.ffn_out_norm, ffn_drop_key)
         if collect:
             self.sow(nnx.Intermediate, "residual_rms", jnp.sqrt(jnp.mean(jnp.square(x_BxTxD.astype(jnp.float32)))))
-        return x_BxTxD if cache is None else (x_BxTxD, new_cache)
+        return x_BxTxD, new_cache
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -77,86 +108,129 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     return nnx.merge(graphdef, state)
 
 
+def _block_forward(
+    block: Block,
+    x_BxTxD: jax.Array,
+    positions_BxT: jax.Array,
+    segment_ids_BxT: jax.Array | None,
+    window: Window,
+    key: jax.Array | None,
+    collect: bool,
+) -> tuple[jax.Array, Stats]:
+    """One block without a cache, and with `collect` what it sowed, by name (else {})."""
+    if not collect:
+        return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key)[0], {}
+    forward = nnx.capture(
+        lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=True)[0], nnx.Intermediate
+    )
+    x_BxTxD, sown = forward(block)
+    # each sown value is a one-element tuple
+    return x_BxTxD, {str(path[-1]): value.get_value()[0] for path, value in nnx.to_flat_state(sown)}
+
+
+def _remat(cfg: ModelConfig, step: BlockStep, static_argnums: tuple[int, ...]) -> BlockStep:
+    """`step` rematerialised under the configured policy (as is for `none`)."""
+    if cfg.remat == "none":
+        return step
+    return jax.checkpoint(step, policy=REMAT_POLICIES[cfg.remat], static_argnums=static_argnums)
+
+
+def _over_layers(
+    cfg: ModelConfig, step: BlockStep, x_BxTxD: jax.Array, state: nnx.State, keys_L: jax.Array | None
+) -> tuple[jax.Array, Stats]:
+    """`step` through the L layers of the stacked `state`: unrolled, or scanned (with the window
+    static when every layer has the same, else scanned as a value with the rest)."""
+    windows = cfg.layer_windows
+    if not cfg.scan_layers:
+        return _unrolled(_remat(cfg, step, (3,)), x_BxTxD, state, keys_L, windows)
+    if len(set(windows)) == 1:
+        static_step = _remat(cfg, step, (3,))
+        return jax.lax.scan(lambda x, xs: static_step(x, *xs, windows[0]), x_BxTxD, (state, keys_L))
+    traced_step = _remat(cfg, step, ())
+    windows_L = jnp.asarray([GLOBAL_WINDOW if w is None else w for w in windows], jnp.int32)
+    return jax.lax.scan(lambda x, xs: traced_step(x, *xs), x_BxTxD, (state, keys_L, windows_L))
+
+
+def _unrolled(
+    step: BlockStep,
+    x_BxTxD: jax.Array,
+    state: nnx.State,
+    keys_L: jax.Array | None,
+    windows: tuple[int | None, ...],
+) -> tuple[jax.Array, Stats]:
+    """`step` layer after layer in Python, each layer's statistics stacked as a scan would."""
+    per_layer = []
+    for i, window in enumerate(windows):
+        state_l = jax.tree.map(lambda a, i=i: a[i], state)
+        x_BxTxD, stats = step(x_BxTxD, state_l, None if keys_L is None else keys_L[i], window)
+        per_layer.append(stats)
+    return x_BxTxD, jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
+
+
+def _default_positions(tokens_BxT: jax.Array) -> jax.Array:
+    B, T = tokens_BxT.shape
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
 class Transformer(nnx.Module):
+    """Decoder-only language model: token embedding (plus what the position scheme adds to it), L
+    blocks, a final norm where the placement needs one, and the output head (the transposed
+    embedding when tied)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.positions = positions_for(cfg)
+        scales = InitScales.of(cfg)
         V, D = cfg.padded_vocab, cfg.d_model
-        self.embed = normal_param(rngs, (V, D), ("vocab", "embed"), cfg.init_std, cfg)
-        if cfg.position == "learned":
-            self.pos_embed = normal_param(rngs, (cfg.max_seq_len, D), (None, "embed"), cfg.init_std, cfg)
-        else:
-            self.pos_embed = None
+        self.embed = normal_param(rngs, (V, D), ("vocab", "embed"), scales.embedding, cfg)
+        table = self.positions.table_shape
+        self.pos_embed = None if table is None else normal_param(rngs, table, (None, "embed"), scales.positions, cfg)
         self.blocks = _stacked_blocks(cfg, rngs)
         self.final_norm = Norm(cfg) if cfg.final_norm else None
-        self.head = None if cfg.tie_embeddings else normal_param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, cfg)
+        self.head = None if cfg.tie_embeddings else normal_param(rngs, (D, V), ("embed", "vocab"), scales.head, cfg)
 
-    def embed_tokens(self, tokens_BxT, positions_BxT) -> jax.Array:
-        cfg = self.cfg
-        x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.dtype)
-        if self.pos_embed is not None:
-            x_BxTxD = x_BxTxD + jnp.take(self.pos_embed[...], positions_BxT, axis=0).astype(cfg.dtype)
-        elif cfg.position == "sinusoidal":
-            x_BxTxD = x_BxTxD + sinusoidal(positions_BxT, cfg.d_model).astype(cfg.dtype)
-        return x_BxTxD
+    def embed_tokens(self, tokens_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
+        """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds."""
+        x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.dtype)
+        table_PxD = None if self.pos_embed is None else self.pos_embed[...]
+        return self.positions.add_to_embeddings(x_BxTxD, positions_BxT, table_PxD)
 
-    def run_blocks(self, x_BxTxD, positions_BxT, segment_ids_BxT=None, key=None, collect=False):
-        """The block stack on embeddings x, then the final norm where the placement has one.
-        With `collect`, also each layer's statistics: {name: [L]} (see Block)."""
-        cfg = self.cfg
+    def run_blocks(
+        self,
+        x_BxTxD: jax.Array,
+        positions_BxT: jax.Array,
+        segment_ids_BxT: jax.Array | None = None,
+        key: jax.Array | None = None,
+        collect: bool = False,
+    ) -> tuple[jax.Array, Stats]:
+        """(the block stack on embeddings x, then the final norm where the placement has one; each
+        layer's statistics {name: [L]} with `collect` (see Block), else {})."""
         graphdef, state = nnx.split(self.blocks)
-        keys_L = None if key is None else jax.random.split(key, cfg.n_layers)
-        windows = cfg.layer_windows
 
-        def block(x, state_l, key_l, window):
-            module = nnx.merge(graphdef, state_l)
-            if not collect:
-                return module(x, positions_BxT, segment_ids_BxT, window, key_l), {}
-            forward = nnx.capture(
-                lambda m: m(x, positions_BxT, segment_ids_BxT, window, key_l, collect=True), nnx.Intermediate
-            )
-            x, sown = forward(module)
-            # what the block sowed, by name; each value is a one-element tuple
-            return x, {path[-1]: value.get_value()[0] for path, value in nnx.to_flat_state(sown)}
+        def step(x: jax.Array, state_l: nnx.State, key_l: jax.Array | None, window: Window) -> tuple[jax.Array, Stats]:
+            block = nnx.merge(graphdef, state_l)
+            return _block_forward(block, x, positions_BxT, segment_ids_BxT, window, key_l, collect)
 
-        def remat(f, static_argnums):
-            if cfg.remat == "none":
-                return f
-            return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], static_argnums=static_argnums)
-
-        if not cfg.scan_layers:
-            step = remat(block, (3,))
-            per_layer = []
-            for i in range(cfg.n_layers):
-                state_l = jax.tree.map(lambda a, i=i: a[i], state)
-                x_BxTxD, stats = step(x_BxTxD, state_l, None if keys_L is None else keys_L[i], windows[i])
-                per_layer.append(stats)
-            stats_L = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
-        elif len(set(windows)) == 1:  # one window for every layer: keep it static
-            step = remat(block, (3,))
-            body = lambda x, xs: step(x, *xs, windows[0])
-            x_BxTxD, stats_L = jax.lax.scan(body, x_BxTxD, (state, keys_L))
-        else:  # a per-layer pattern: the window becomes a scanned value
-            step = remat(block, ())
-            windows_L = jnp.asarray([GLOBAL_WINDOW if w is None else w for w in windows], jnp.int32)
-            body = lambda x, xs: step(x, *xs)
-            x_BxTxD, stats_L = jax.lax.scan(body, x_BxTxD, (state, keys_L, windows_L))
+        keys_L = None if key is None else jax.random.split(key, self.cfg.n_layers)
+        x_BxTxD, stats_L = _over_layers(self.cfg, step, x_BxTxD, state, keys_L)
         if self.final_norm is not None:
             x_BxTxD = self.final_norm(x_BxTxD)
-        return (x_BxTxD, stats_L) if collect else x_BxTxD
+        return x_BxTxD, stats_L
 
-    def stability_stats(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None) -> dict[str, jax.Array]:
+    def stability_stats(
+        self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None, segment_ids_BxT: jax.Array | None = None
+    ) -> Stats:
         """One deterministic forward pass that reports, per layer ([L] each): attention logit max and
         mean, attention entropy, residual-stream RMS after the block; and the mean output log Z
         (what z-loss pushes toward 0)."""
-        B, T = tokens_BxT.shape
         if positions_BxT is None:
-            positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            positions_BxT = _default_positions(tokens_BxT)
         x_BxTxD = self.embed_tokens(tokens_BxT, positions_BxT)
         x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, collect=True)
         stats["log_z_mean"] = jnp.mean(jax.nn.logsumexp(self.logits(x_BxTxD), axis=-1))
         return stats
 
-    def logits(self, x_BxTxD) -> jax.Array:
+    def logits(self, x_BxTxD: jax.Array) -> jax.Array:
         """Float32 logits; the padding rows of the vocab are masked out so perplexity stays honest."""
         cfg = self.cfg
         if self.head is None:
@@ -173,40 +247,47 @@ class Transformer(nnx.Module):
             logits_BxTxV = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits_BxTxV, MASK_VALUE)
         return logits_BxTxV
 
-    def init_cache(self, batch: int, max_len: int) -> list[dict]:
+    def init_cache(self, batch: int, max_len: int) -> list[KVCache]:
         """An empty KV cache for `max_len` tokens: per layer, K/V for the kv heads only (GQA and MQA
         caches shrink in proportion), a ring buffer of `window` entries for sliding-window layers."""
         return [init_cache(self.cfg, batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
 
-    def decode(self, tokens_BxT, positions_BxT, cache: list[dict], index) -> tuple[jax.Array, list[dict]]:
+    def decode(
+        self, tokens_BxT: jax.Array, positions_BxT: jax.Array, cache: list[KVCache], index: int | jax.Array
+    ) -> tuple[jax.Array, list[KVCache]]:
         """Logits for T new tokens at absolute index `index` (prefill: all prompt tokens at 0; then one
         per step), attending to the cache; returns the logits and the updated cache. Positions are per
         row (left padding has position -1)."""
-        cfg = self.cfg
         x_BxTxD = self.embed_tokens(tokens_BxT, jnp.maximum(positions_BxT, 0))
         graphdef, state = nnx.split(self.blocks)
         new_cache = []
-        for i, window in enumerate(cfg.layer_windows):  # unrolled: layers may hold caches of different sizes
+        for i, window in enumerate(self.cfg.layer_windows):  # unrolled: layers may hold caches of different sizes
             block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
             x_BxTxD, layer_cache = block(x_BxTxD, positions_BxT, None, window, None, cache[i], index)
+            assert layer_cache is not None, "a block given a cache returns it updated"
             new_cache.append(layer_cache)
         if self.final_norm is not None:
             x_BxTxD = self.final_norm(x_BxTxD)
         return self.logits(x_BxTxD), new_cache
 
-    def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, key=None) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        segment_ids_BxT: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
         """Logits [B, T, V] for every position (teacher forcing).
 
         positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
         segment_ids_BxT: document ids, attention never crosses a change of id;
         key: dropout randomness; None runs deterministically (evaluation).
         """
-        B, T = tokens_BxT.shape
         if positions_BxT is None:
-            positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            positions_BxT = _default_positions(tokens_BxT)
         embed_key = block_key = None
         if key is not None:
             embed_key, block_key = jax.random.split(key)
         x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
-        x_BxTxD = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key)
+        x_BxTxD, _ = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key)
         return self.logits(x_BxTxD)

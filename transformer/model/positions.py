@@ -1,0 +1,154 @@
+"""Position encodings, and the one place that decides what the configured scheme contributes.
+
+A scheme enters the model through at most one of three hooks: something added to the token
+embeddings (a learned table, the sinusoidal encoding), a rotation of queries and keys (RoPE), or a
+bias on the attention logits (ALiBi); `none` uses none of them, so order reaches the model only
+through the causal mask. `positions_for` is the only reader of `model.position`: the embedding and
+the attention layers call the hooks of the scheme they are given, never asking which one it is.
+
+Schemes are frozen dataclasses without parameters, so a module may hold one as static data. The
+learned table is created and held by the Transformer (at `pos_embed`, the path checkpoints and the
+optimizer's decay mask know) from the shape its scheme asks for, and handed back to the hook.
+
+Axis legend as in layers.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from transformer.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Positions:
+    """The hooks every scheme answers. This base contributes nothing: the `none` scheme."""
+
+    @property
+    def table_shape(self) -> tuple[int, int] | None:
+        """Shape of the learned table [positions, D], or None: only a learned scheme has parameters."""
+        return None
+
+    def add_to_embeddings(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, table_PxD: jax.Array | None) -> jax.Array:
+        """The token embeddings plus this scheme's encoding of each position."""
+        return x_BxTxD
+
+    def rotate(self, x: jax.Array, positions_BxT: jax.Array) -> jax.Array:
+        """Queries or keys [B, T, ..., H] as this scheme rotates them by position."""
+        return x
+
+    def logit_bias(self, q_positions_BxT: jax.Array, k_positions_BxS: jax.Array) -> jax.Array | None:
+        """bias[b, n, t, s] added to the attention logits, or None for no bias."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedPositions(Positions):
+    """A trained table, one row per position, added to the token embeddings (GPT-2)."""
+
+    max_positions: int
+    d_model: int
+
+    @property
+    def table_shape(self) -> tuple[int, int]:
+        return (self.max_positions, self.d_model)
+
+    def add_to_embeddings(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, table_PxD: jax.Array | None) -> jax.Array:
+        assert table_PxD is not None, "learned positions need their table"
+        return x_BxTxD + jnp.take(table_PxD, positions_BxT, axis=0).astype(x_BxTxD.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class SinusoidalPositions(Positions):
+    """The fixed encoding of Vaswani et al. 2017, added to the token embeddings."""
+
+    d_model: int
+
+    def add_to_embeddings(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, table_PxD: jax.Array | None) -> jax.Array:
+        return x_BxTxD + sinusoidal(positions_BxT, self.d_model).astype(x_BxTxD.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryPositions(Positions):
+    """RoPE: queries and keys rotated by position, so their scores depend on the distance only."""
+
+    theta: float
+
+    def rotate(self, x: jax.Array, positions_BxT: jax.Array) -> jax.Array:
+        return rope(x, positions_BxT, self.theta)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlibiPositions(Positions):
+    """ALiBi: a per-head penalty on the attention logits, linear in the distance."""
+
+    n_heads: int
+
+    def logit_bias(self, q_positions_BxT: jax.Array, k_positions_BxS: jax.Array) -> jax.Array:
+        return alibi_bias(self.n_heads, q_positions_BxT, k_positions_BxS)
+
+
+def positions_for(cfg: ModelConfig) -> Positions:
+    """The configured position scheme."""
+    match cfg.position:
+        case "learned":
+            assert cfg.max_positions is not None, "ModelConfig refuses learned positions without a length"
+            return LearnedPositions(cfg.max_positions, cfg.d_model)
+        case "sinusoidal":
+            return SinusoidalPositions(cfg.d_model)
+        case "rope":
+            return RotaryPositions(cfg.rope_theta)
+        case "alibi":
+            return AlibiPositions(cfg.n_heads)
+        case "none":
+            return Positions()
+    raise AssertionError(cfg.position)
+
+
+# --- the encodings -------------------------------------------------------------------------------
+
+
+def rope(x: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (Su et al. 2021) of x[B, T, ..., H], rotating (first half, second half) pairs."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+    angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def sinusoidal(positions_BxT: jax.Array, d_model: int) -> jax.Array:
+    """The fixed encoding of Vaswani et al. 2017: sin in even and cos in odd channels."""
+    half = d_model // 2
+    inv_freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) * 2 / d_model)
+    angle_BxTxHalf = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+    pe = jnp.stack([jnp.sin(angle_BxTxHalf), jnp.cos(angle_BxTxHalf)], axis=-1)
+    return pe.reshape(positions_BxT.shape + (d_model,))
+
+
+def alibi_slopes(n_heads: int) -> jax.Array:
+    """Head slopes of ALiBi (Press et al. 2022): a geometric sequence from 2^(-8/n); for a head count
+    that is not a power of two, the closest power's slopes plus every other slope of the next one."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return jnp.asarray(slopes, jnp.float32)
+
+
+def alibi_bias(n_heads: int, q_positions_BxT: jax.Array, k_positions_BxS: jax.Array) -> jax.Array:
+    """bias[b, n, t, s] = -slope[n] * (pos_q[t] - pos_k[s]); only causal entries survive the mask."""
+    distance_BxTxS = (q_positions_BxT[:, :, None] - k_positions_BxS[:, None, :]).astype(jnp.float32)
+    return -alibi_slopes(n_heads)[None, :, None, None] * distance_BxTxS[:, None]
