@@ -117,15 +117,24 @@ def test_logit_softcap_bounds_logits():
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_tied_and_untied_heads(tie):
+    """Embedding rows that no input token reads reach the logits only through a tied head: tied,
+    exactly their vocab columns move; untied, nothing moves, and the logits follow `head` instead."""
     cfg = tiny(tie_embeddings=tie)
     model = build(cfg)
     assert (model.head is None) == tie
     tokens = tokens_for(cfg)
     before = model(tokens)
-    model.embed[...] = model.embed[...] * 2.0  # the tied head reads the embedding table too
+    unread = np.setdiff1d(np.arange(cfg.vocab_size), np.asarray(tokens))
+    assert unread.size > 0
+    model.embed[...] = model.embed[...].at[unread].multiply(2.0)
     after = model(tokens)
+    moved_V = ~np.all(np.isclose(after, before), axis=(0, 1))
     if tie:
-        assert not np.allclose(after, before)
+        np.testing.assert_array_equal(moved_V, np.isin(np.arange(cfg.padded_vocab), unread))
+    else:
+        np.testing.assert_array_equal(after, before)
+        model.head[...] = model.head[...] * 2.0
+        assert np.all(~np.isclose(model(tokens), before)[..., : cfg.vocab_size])
 
 
 def test_every_parameter_has_logical_axes():
