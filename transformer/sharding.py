@@ -65,7 +65,7 @@ def make_mesh(cfg: Config, devices=None) -> Mesh:
 def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """PartitionSpec for a value with these logical axes; a dimension its mesh axes cannot divide
     evenly stays replicated (only fsdp can hit this: tensor divisibility is checked up front)."""
-    out = []
+    out: list[str | tuple[str, ...] | None] = []
     used: set[str] = set()
     for name, dim in zip(axes, shape):
         target = RULES.get(name) if name else None
