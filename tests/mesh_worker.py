@@ -12,7 +12,8 @@ import jax
 from transformer import sharding
 from transformer.config_loader import load_config
 from transformer.data import prepare
-from transformer.trainer import Trainer, train
+from transformer.loop import train
+from transformer.trainer import Trainer
 
 
 def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:

@@ -18,7 +18,7 @@ from flax import nnx
 from transformer.checkpoint import CheckpointError, load
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
-from transformer.trainer import run
+from transformer.job import run
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from conftest import ROOT, write_corpus
 
 from transformer.cli import eval_main
 from transformer.config_loader import load_config
-from transformer.trainer import run
+from transformer.job import run
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ from transformer import rundir, sharding
 from transformer.config import MonitorConfig
 from transformer.config_loader import load_config
 from transformer.data import prepare
+from transformer.job import run
 from transformer.monitor import Monitor, MonitorStop, Recovery
-from transformer.trainer import Trainer, default_controls, run
+from transformer.trainer import Trainer, default_controls
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def test_model_statistics_on_a_known_case(scan_layers):
 
 def test_training_writes_per_layer_statistics(tmp_path):
     from transformer.config_loader import load_config
-    from transformer.trainer import run
+    from transformer.job import run
 
     corpus = tmp_path / "docs.jsonl"
     rng = np.random.default_rng(0)

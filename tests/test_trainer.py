@@ -18,8 +18,9 @@ from transformer import sharding
 from transformer.config import ConfigError, OptimConfig
 from transformer.config_loader import load_config
 from transformer.data import prepare
+from transformer.loop import train
 from transformer.optim import decay_mask, schedule
-from transformer.trainer import cross_entropy, train
+from transformer.trainer import cross_entropy
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""What a run measures about itself: device peak FLOP/s, and the progress bar."""
+"""What a run measures about itself: device peak FLOP/s, its throughput and MFU, and the progress bar."""
 
 from __future__ import annotations
 
@@ -50,6 +50,39 @@ def device_peak_flops(device=None) -> tuple[float, str]:
         # all CPU "devices" share the same cores: the measured peak is for the whole host
         return measure_cpu_matmul_peak() / max(1, jax.local_device_count()), "measured float32 matmul"
     return math.nan, f"unknown device {device.device_kind}"
+
+
+class Throughput:
+    """Training speed over the steps since the last reading: seconds per step, tokens/s, TFLOP/s
+    per device and MFU (model FLOPs utilisation: achieved over `peak` FLOP/s, per device).
+
+    Only training counts: `restart` the clock after evaluating or saving, and after a rollback."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, devices: int, peak: float, step: int = 0):
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.devices, self.peak = devices, peak
+        self.tokens_per_s = self.mfu = 0.0  # the latest reading
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        """Count from now, at `step`."""
+        self.last_time, self.last_step = time.perf_counter(), step
+
+    def measure(self, step: int) -> dict[str, float]:
+        """The speed since the last reading or restart, as metrics (none if no step was done since),
+        and restart the clock at `step`."""
+        now = time.perf_counter()
+        values = {}
+        if step > self.last_step:
+            seconds = (now - self.last_time) / (step - self.last_step)
+            self.tokens_per_s = self.tokens_per_step / seconds
+            flops = self.flops_per_step / seconds / self.devices  # FLOP/s of one device
+            self.mfu = flops / self.peak
+            values = dict(
+                step_time=seconds, tokens_per_s=self.tokens_per_s, tflops_per_device=flops / 1e12, mfu=self.mfu
+            )
+        self.last_time, self.last_step = now, step
+        return values
 
 
 class Progress:

@@ -11,6 +11,9 @@ Recovery (`monitor.on_spike`): `log` records; `skip` hands limits to the jitted 
 updates above them (moments untouched); `rollback` restores the last checkpoint before the spike,
 skips `monitor.skip_batches` data batches and optionally cools the learning rate down.
 
+Fault injection (`faults.*`: a learning-rate spike, a corrupt batch, NaN gradients) lives here too,
+beside the recovery it exercises: each fault fires once per run (`Faults`).
+
 What recovery did must survive rollbacks, kills and resumes, so it is journaled in the run's events
 (`rollback`, `fault`) and replayed from there; the statistics window travels in checkpoints.
 """
@@ -20,10 +23,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
+from collections.abc import Callable
 
-from transformer.config import MonitorConfig
+import numpy as np
+
+from transformer.config import FaultsConfig, MonitorConfig
 
 WARM_FRACTION = 4  # the window is warm once it holds window / WARM_FRACTION normal steps (at least 8)
+
+
+def _window_mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population std of the window, in plain float sums: cheap enough for every step, and
+    the same bits as the runs (and checkpointed windows) made before, so decisions replay exactly."""
+    n = len(values)
+    mean = sum(values) / n
+    return mean, math.sqrt(max(0.0, sum((v - mean) ** 2 for v in values) / n))
 
 
 class MonitorStop(RuntimeError):
@@ -38,12 +52,6 @@ class Anomaly:
     grad_norm: float
     loss_z: float
     grad_z: float
-
-
-def _mean_std(values) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    return mean, math.sqrt(max(0.0, sum((v - mean) ** 2 for v in values) / n))
 
 
 class Monitor:
@@ -74,7 +82,7 @@ class Monitor:
         entries = [e for e in self.window if up_to is None or e[0] <= up_to][-self.cfg.window :]
         if len(entries) < self.warm_count:
             return None  # not warm yet
-        return _mean_std([e[1] for e in entries]), _mean_std([e[2] for e in entries])
+        return _window_mean_std([e[1] for e in entries]), _window_mean_std([e[2] for e in entries])
 
     @property
     def warm_count(self) -> int:
@@ -154,7 +162,8 @@ class Recovery:
 
     def skipped_batches(self) -> list[int]:
         """Data batch indices never trained on (stored in checkpoints for inspection)."""
-        skipped, shift = [], 0
+        skipped: list[int] = []
+        shift = 0
         for start, count in sorted(self.skips):
             skipped += range(start + shift, start + shift + count)
             shift += count
@@ -173,7 +182,7 @@ class Recovery:
         before that step, or if a rollback recovered from it; one that fired after the checkpoint
         and before any rollback (a kill in between) fires again, as it did in the first attempt."""
         recovery = cls()
-        unresolved = {}
+        unresolved: dict[str, int] = {}
         for event in events:
             if event.get("event") == "rollback":
                 recovery.rollback(event["to_step"], event["skip_batches"], event["cooldown"], event["lr_factor"])
@@ -185,3 +194,45 @@ class Recovery:
                 else:
                     unresolved[event["fault"]] = event["step"]
         return recovery
+
+
+def corrupt(batch: dict[str, np.ndarray], kind: str, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
+    """A deliberately bad batch (fault injection): uniform random tokens, or one token repeated."""
+    rng = np.random.default_rng(seed)
+    shape = batch["inputs"].shape
+    if kind == "random":
+        rows = rng.integers(0, vocab_size, (shape[0], shape[1] + 1)).astype(np.int32)
+    else:
+        rows = np.full((shape[0], shape[1] + 1), rng.integers(0, vocab_size), np.int32)
+    return {**batch, "inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
+class Faults:
+    """The faults of `cfg` (tests, demonstrations of recovery). Each fires once per run at its step,
+    rollbacks and resumes included: what fired is the `fired` set of the run's `Recovery`, replayed
+    from the journal, where firing writes a `fault` event through `event(kind, step, **fields)`."""
+
+    def __init__(self, cfg: FaultsConfig, recovery: Recovery, event: Callable[..., None]):
+        self.cfg, self.recovery, self.event = cfg, recovery, event
+
+    def fires(self, name: str, step: int) -> bool:
+        """Does fault `name` (lr | corrupt | nan) fire at this step? True at most once per run."""
+        if getattr(self.cfg, f"{name}_step") != step or name in self.recovery.fired:
+            return False
+        self.recovery.fired.add(name)
+        self.event("fault", step, fault=name)
+        return True
+
+    def batch(self, batch: dict[str, np.ndarray], step: int, vocab_size: int) -> dict[str, np.ndarray]:
+        """`batch`, or a corrupt one where the `corrupt` fault fires."""
+        if self.fires("corrupt", step):
+            return corrupt(batch, self.cfg.corrupt_kind, vocab_size, seed=step)
+        return batch
+
+    def lr_multiplier(self, step: int) -> float:
+        """`faults.lr_multiplier` where the `lr` fault fires, else 1."""
+        return self.cfg.lr_multiplier if self.fires("lr", step) else 1.0
+
+    def nan_grads(self, step: int) -> bool:
+        """Does the `nan` fault replace this step's gradients by NaN?"""
+        return self.fires("nan", step)

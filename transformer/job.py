@@ -1,0 +1,145 @@
+"""The `train.py` job around the training loop: may this run directory be used (fresh, or a safe
+resume)? Then data, the config file, the start-up events (partial checkpoints removed, resume, config
+changes), training, checkpoints, and a one-line summary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from transformer import rundir, sharding
+from transformer.checkpoint import Checkpointer, check_writable, partial_writes
+from transformer.config import Config, ConfigError, config_changes
+from transformer.data import Data, prepare
+from transformer.loop import RunResult, train
+from transformer.rundir import RunWriter
+from transformer.signals import StopSignal
+from transformer.trainer import Trainer, TrainState
+
+
+def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
+    """The `train.py` job: resume checks, data, config.yaml, training, checkpoints, and a summary."""
+    lead = jax.process_index() == 0
+    sharding.mesh_shape(cfg, jax.device_count())  # refuse an impossible mesh before any work
+    changes = resume_changes(cfg, workdir)
+    ckpt_dir = workdir / rundir.CHECKPOINTS
+    check_writable(ckpt_dir)
+    leftovers = partial_writes(ckpt_dir)
+
+    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, workdir, log=log if lead else lambda _: None)
+    cfg = cfg.with_vocab(data.vocab_size)
+    mesh = sharding.make_mesh(cfg)
+    checkpointer = Checkpointer(workdir, cfg.checkpoint)
+    try:
+        start, monitor_state = begin(cfg, mesh, workdir, checkpointer, leftovers, changes, log)
+        if lead:
+            rundir.write_config(workdir, cfg)
+        with StopSignal() as stop:
+            result = train(
+                cfg,
+                data,
+                workdir,
+                mesh,
+                log,
+                checkpointer=checkpointer,
+                start=start,
+                stop=stop,
+                monitor_state=monitor_state,
+            )
+    finally:
+        checkpointer.close()
+    if lead:
+        log(summary(result, data))
+    return result
+
+
+def resume_changes(cfg: Config, workdir: Path) -> list[str] | None:
+    """None for a fresh run; for a resumed one, the safe config changes since it was saved. A
+    ConfigError if the changes alter what was trained, or the directory holds a run that cannot resume."""
+    if not rundir.has_checkpoints(workdir):
+        if rundir.has_metrics(workdir):
+            raise ConfigError("", f"{workdir} holds a run without checkpoints to resume from; use a new --workdir")
+        return None
+    saved = rundir.read_config(workdir)
+    unsafe, safe = config_changes(saved, cfg.with_vocab(saved.model.vocab_size))
+    if unsafe:
+        raise ConfigError("", f"cannot resume {workdir}: the config changes what was trained: {'; '.join(unsafe)}")
+    return safe
+
+
+def begin(
+    cfg: Config,
+    mesh: jax.sharding.Mesh,
+    workdir: Path,
+    checkpointer: Checkpointer,
+    leftovers: list[str],
+    changes: list[str] | None,
+    log: Callable[[str], None],
+) -> tuple[TrainState | None, dict | None]:
+    """Journal what start-up found, and restore the state to resume from (`changes` is None: a
+    fresh run). Returns (start state, monitor state), both None for a fresh run."""
+    events = RunWriter(workdir, jax.process_index() == 0, tensorboard=False)
+    try:
+        if leftovers:
+            events.event("partial_checkpoint_removed", 0, names=leftovers)
+        if changes is None:
+            return None, None
+        return resume(cfg, mesh, workdir, checkpointer, events, changes, log)
+    finally:
+        events.close()
+
+
+def resume(
+    cfg: Config,
+    mesh: jax.sharding.Mesh,
+    workdir: Path,
+    checkpointer: Checkpointer,
+    events: RunWriter,
+    changes: list[str],
+    log: Callable[[str], None],
+) -> tuple[TrainState, dict | None]:
+    """The latest valid checkpoint, resharded onto `mesh`, and its monitor state; metrics logged
+    after it are dropped (the resumed run logs them again)."""
+    start, meta = restore(Trainer(cfg, mesh), checkpointer, events.event)
+    step = int(start.step)
+    if step >= cfg.train.steps:
+        raise ConfigError(
+            "train.steps", f"{workdir} is already trained to step {step}; raise train.steps to continue it"
+        )
+    lead = jax.process_index() == 0
+    dropped = rundir.truncate_metrics(workdir, step) if lead else 0
+    events.event("resume", step, dropped_metrics=dropped)
+    if changes:
+        events.event("config_change", step, changes=changes)
+    if lead:
+        log(f"resuming {workdir} from step {step}" + (f" ({'; '.join(changes)})" if changes else ""))
+    return start, meta.get("monitor")
+
+
+def restore(trainer: Trainer, checkpointer: Checkpointer, event: Callable[..., None]) -> tuple[TrainState, dict]:
+    """The latest valid checkpoint, resharded onto the trainer's mesh, and its JSON record."""
+    _, restored, meta = checkpointer.restore(
+        trainer.abstract_state()._asdict(), on_bad=lambda s, why: event("checkpoint_corrupt", s, error=why)
+    )
+    return TrainState(**restored), meta
+
+
+def summary(result: RunResult, data: Data) -> str:
+    """The last line of a run: losses against the unigram baseline, bits per byte, throughput."""
+    return (
+        f"done: {result.steps} steps; train loss {result.train_loss:.4f}; val loss {result.val['val_loss']:.4f} "
+        f"(unigram baseline {unigram_entropy(data):.4f}), val bits/byte {result.val['val_bits_per_byte']:.4f}; "
+        f"{result.tokens_per_s:,.0f} tokens/s, MFU {100 * result.mfu:.1f}%"
+    )
+
+
+def unigram_entropy(data: Data) -> float:
+    """Cross-entropy (nats) of the best context-free model on the validation windows: the bar a
+    model must clear to have learned anything beyond token frequencies."""
+    targets = np.concatenate([b["targets"][b["weights"] > 0] for b in data.val_batches(64)])
+    p = np.bincount(targets) / len(targets)
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())

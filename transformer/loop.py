@@ -1,0 +1,332 @@
+"""The host loop of training: which batch and controls each step gets, what the monitor saw, when
+to log, evaluate, checkpoint, roll back or stop.
+
+The device never waits on the host: each step's metrics are read one step late (`pending`), and the
+monitor judges them then. Everything the loop remembers between steps is an attribute of `TrainLoop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from transformer import rundir, sharding
+from transformer.checkpoint import meta_record, state_is_finite
+from transformer.config import Config
+from transformer.data import Data
+from transformer.metrics import Progress, Throughput, device_peak_flops
+from transformer.model.summary import count_params, flops_per_token
+from transformer.monitor import Anomaly, Faults, Monitor, MonitorStop, Recovery
+from transformer.rundir import RunWriter
+from transformer.signals import Preempted, StopSignal
+from transformer.trainer import Trainer, TrainState, default_controls
+
+
+@dataclasses.dataclass
+class RunResult:
+    train_loss: float
+    val: dict[str, float]
+    tokens_per_s: float
+    mfu: float
+    steps: int
+    params: dict | None = None  # the trained parameters, for callers that inspect them
+
+
+def train(
+    cfg: Config,
+    data: Data,
+    workdir: Path | None,
+    mesh: jax.sharding.Mesh | None = None,
+    log: Callable[[str], None] = print,
+    on_metrics: Callable[[int, dict], None] | None = None,
+    checkpointer=None,
+    start: TrainState | None = None,
+    stop: StopSignal | None = None,
+    monitor_state: dict | None = None,
+) -> RunResult:
+    """Train `cfg` from `start` (or from scratch), writing metrics and events to `workdir` (process 0
+    only) and checkpoints through `checkpointer`. `on_metrics(step, values)` sees every logged set of
+    training metrics (tests, notebooks)."""
+    loop = TrainLoop(cfg, data, workdir, mesh, log, on_metrics, checkpointer, start, stop, monitor_state)
+    return loop.run()
+
+
+class TrainLoop:
+    """One run of the step loop (see `train` for the arguments). `run()` drives it."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        data: Data,
+        workdir: Path | None,
+        mesh: jax.sharding.Mesh | None = None,
+        log: Callable[[str], None] = print,
+        on_metrics: Callable[[int, dict], None] | None = None,
+        checkpointer=None,
+        start: TrainState | None = None,
+        stop: StopSignal | None = None,
+        monitor_state: dict | None = None,
+    ):
+        self.cfg, self.data, self.log, self.on_metrics = cfg, data, log, on_metrics
+        self.checkpointer, self.stop = checkpointer, stop
+        self.mesh = mesh or sharding.make_mesh(cfg)
+        self.lead = jax.process_index() == 0
+        self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard)
+        self.trainer = Trainer(cfg, self.mesh)
+        self.peak = self._announce()
+        self.state = start if start is not None else self.trainer.init(jax.random.key(cfg.train.seed))
+        self.step = int(self.state.step)  # the next step to train
+        self.recovery = Recovery.replay(rundir.read_events(workdir), self.step) if workdir is not None else Recovery()
+        self.faults = Faults(cfg.faults, self.recovery, self.writer.event)
+        self.monitor = Monitor(cfg.monitor, monitor_state)
+        self.progress = Progress(cfg.train.steps, self.step, self.lead and cfg.logging.progress)
+        tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+        self.meter = Throughput(tokens_per_step, flops_per_step, self.mesh.devices.size, self.peak, self.step)
+        self.pending: list = []  # (step, device metrics) read one step late, so the device never waits
+        self.train_loss = math.nan
+        self.val: dict[str, float] = {}  # the latest evaluation
+        self.saved = -1  # the step of the newest checkpoint this run wrote or rolled back to
+        self.rollback_to: int | None = None  # a spike asked to roll back to this checkpoint
+        self.spike_batch = 0  # the data batch of the last spike that asked for a rollback
+
+    def _announce(self) -> float:
+        """Log the model, devices, mesh and peak FLOP/s (process 0); returns the peak of one device."""
+        peak, source = device_peak_flops()
+        if self.lead:
+            self.log(
+                f"{count_params(self.cfg.model):,} parameters on {self.mesh.devices.size} "
+                f"{jax.devices()[0].platform} device(s), mesh {dict(self.mesh.shape)}; "
+                f"peak {peak / 1e12:.3g} TFLOP/s per device ({source})"
+            )
+        return peak
+
+    # --- the step loop ----------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        """Train to `train.steps`; MonitorStop and Preempted end it early."""
+        cfg, mesh = self.cfg, self.mesh
+        self.writer.event("start", self.step, devices=mesh.devices.size, mesh=dict(mesh.shape), peak_flops=self.peak)
+        self.meter.restart(self.step)
+        try:
+            while self.step < cfg.train.steps:
+                self.train_one()
+            self.finish()
+        except MonitorStop as e:  # a result, not a crash: the sweep does not run it again, the report shows it
+            self.writer.event("stopped", self.step, reason=str(e))
+            raise
+        finally:
+            self.progress.close()
+            self.writer.close()
+        return RunResult(
+            self.train_loss, self.val, self.meter.tokens_per_s, self.meter.mfu, cfg.train.steps, self.state.params
+        )
+
+    def train_one(self) -> None:
+        """Train step `self.step`, then evaluate, record statistics, checkpoint, roll back or stop as due."""
+        step, every = self.step, self.cfg.checkpoint.every
+        batch = self.trainer.put_batch(self.batch(step), self.cfg.train.batch_size)
+        self.state, metrics = self.trainer.train_step(self.state, batch, self.controls(step))
+        self.observe()
+        done = step + 1
+        self.pending.append((done, metrics))
+        last = done == self.cfg.train.steps
+        evaluated = self.evaluate(done, last)
+        self.layer_stats(done, metrics, batch)
+        if self.rollback_to is None and (done % every == 0 or last):
+            self.checkpoint(done, metrics, evaluated)
+        if self.rollback_to is not None:
+            self.rollback(self.rollback_to)
+            return
+        if evaluated is not None or done % every == 0:
+            self.observe()
+            self.meter.restart(done)  # evaluation and saving are not training time
+        if self.stop is not None and not last and self.stop.should_stop(done):
+            self.preempt(done, metrics)
+        self.step = done
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of the step's batch (past skipped batches; corrupt if a fault says so)."""
+        local = self.data.train_batch(self.recovery.batch_index(step), jax.process_index(), jax.process_count())
+        return self.faults.batch(local, step, self.cfg.model.vocab_size)
+
+    def controls(self, step: int) -> dict:
+        """The host's decisions for the step: learning-rate scale, skip limits, injected NaN gradients."""
+        lr_scale = self.recovery.lr_scale(step) * self.faults.lr_multiplier(step)
+        loss_limit, grad_limit = self.monitor.limits(up_to=step - 1)
+        return default_controls(lr_scale, loss_limit, grad_limit, nan_grads=self.faults.nan_grads(step))
+
+    def evaluate(self, done: int, last: bool) -> float | None:
+        """Evaluate when due and no rollback is pending; the validation loss, or None."""
+        if self.rollback_to is not None or not (done % self.cfg.train.eval_every == 0 or last):
+            return None
+        self.observe()
+        if self.rollback_to is not None:
+            return None
+        self.val = self.trainer.evaluate(self.state.params, self.data)
+        self.writer.scalars(done, self.val)
+        return self.val["val_loss"]
+
+    def layer_stats(self, done: int, metrics: dict, batch: dict) -> None:
+        """Every `monitor.stats_every` steps: the step's per-layer metrics and the model's stability statistics."""
+        every = self.cfg.monitor.stats_every
+        if self.rollback_to is not None or not every or done % every:
+            return
+        per_layer = {k: v for k, v in jax.device_get(metrics).items() if np.ndim(v) == 1}
+        stats = jax.device_get(self.trainer.stats_step(self.state.params, batch))
+        self.writer.scalars(done, {k: np.asarray(v).tolist() for k, v in {**per_layer, **stats}.items()})
+
+    def finish(self) -> None:
+        self.observe()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        self.writer.event("end", self.cfg.train.steps, train_loss=self.train_loss, **self.val)
+
+    # --- metrics and the monitor ------------------------------------------------------------------
+    def observe(self) -> None:
+        """Read pending metrics: log them, and let the monitor judge them."""
+        for done, metrics in self.pending:
+            values = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+            anomaly = self.monitor.observe(done, values["loss"], values["grad_norm"], values.get("applied", 1.0) > 0)
+            if anomaly is not None and self.rollback_to is None:
+                self.rollback_to = self.on_anomaly(anomaly, values)
+            if done % self.cfg.logging.every == 0 or done == self.cfg.train.steps:
+                self.log_metrics(done, values)
+        self.pending.clear()
+
+    def log_metrics(self, done: int, values: dict[str, float]) -> None:
+        """Write one step's metrics, with the throughput since the last logged step."""
+        values.update(self.meter.measure(done))
+        self.train_loss = values["loss"]
+        self.writer.scalars(done, values)
+        if self.on_metrics is not None:
+            self.on_metrics(done, values)
+        self.progress.update(done, values["loss"], values["lr"], self.meter.tokens_per_s)
+
+    def on_anomaly(self, anomaly: Anomaly, values: dict[str, float]) -> int | None:
+        """Record an anomaly and act on it; returns the step to roll back to, if any."""
+        action = self.action(anomaly, values)
+        batch_index = self.recovery.batch_index(anomaly.step - 1)
+        target = None
+        if self.cfg.monitor.on_spike == "rollback" and anomaly.kind in ("spike", "nonfinite"):
+            self.spike_batch = batch_index
+            target = self.rollback_target(anomaly.step)
+            action = "rollback" if target is not None else "rollback impossible: no checkpoint before it"
+        self.writer.event(
+            anomaly.kind,
+            anomaly.step,
+            loss=anomaly.loss,
+            grad_norm=anomaly.grad_norm,
+            loss_z=anomaly.loss_z,
+            grad_z=anomaly.grad_z,
+            action=action,
+            batch=batch_index,
+            windows=self.data.sampler.window_ids(batch_index).tolist(),
+        )
+        self.writer.scalars(anomaly.step, {"anomaly": 1.0})
+        self.give_up_if_exhausted(anomaly, target)
+        return target
+
+    def action(self, anomaly: Anomaly, values: dict[str, float]) -> str:
+        """What the step did about an anomaly, for its event (a rollback is decided in on_anomaly)."""
+        on_spike = self.cfg.monitor.on_spike
+        if anomaly.kind == "level_shift":
+            return "new statistics window"
+        if anomaly.kind == "nonfinite":
+            return "not applied"
+        if on_spike == "skip" and not values.get("applied", 1.0):
+            return "skipped"
+        return on_spike if anomaly.kind == "spike" else "log"
+
+    def give_up_if_exhausted(self, anomaly: Anomaly, target: int | None) -> None:
+        """MonitorStop after `monitor.max_nonfinite` non-finite steps in a row, or when a rollback is
+        due and `monitor.max_rollbacks` are spent."""
+        m = self.cfg.monitor
+        if self.monitor.nonfinite_run >= m.max_nonfinite:
+            raise MonitorStop(
+                f"{self.monitor.nonfinite_run} non-finite steps in a row (monitor.max_nonfinite = "
+                f"{m.max_nonfinite}), the last at step {anomaly.step}; no bad update was applied or saved"
+            )
+        if target is not None and self.recovery.rollbacks >= m.max_rollbacks:
+            raise MonitorStop(
+                f"{anomaly.kind} at step {anomaly.step} after {self.recovery.rollbacks} rollbacks "
+                f"(monitor.max_rollbacks = {m.max_rollbacks}); the run stops here"
+            )
+
+    # --- checkpoints, rollbacks, preemption -------------------------------------------------------
+    def meta(self) -> dict:
+        """The JSON record saved with a checkpoint: config and the host-side state of recovery."""
+        return meta_record(
+            self.cfg,
+            monitor=self.monitor.state(),
+            skipped_batches=self.recovery.skipped_batches(),
+            rollbacks=self.recovery.rollbacks,
+            faults_fired=sorted(self.recovery.fired),
+        )
+
+    def checkpoint(self, done: int, metrics: dict, val_loss: float | None = None, wait: bool = False) -> None:
+        """Save the state after step `done`, unless it is saved already, about to be abandoned, or not finite."""
+        if self.checkpointer is None:
+            return
+        if done == self.saved:
+            if wait:
+                self.checkpointer.wait()
+            return
+        self.observe()  # the monitor state saved must include this step's metrics
+        if self.rollback_to is not None:
+            return  # this state is about to be abandoned
+        if not state_is_finite(jax.device_get(metrics)):
+            self.writer.event("not_saved", done, reason="non-finite loss or parameters")
+            return
+        self.checkpointer.save(done, self.state._asdict(), self.meta(), val_loss, wait=wait)
+        self.saved = done
+
+    def rollback_target(self, spike_step: int) -> int | None:
+        """The newest checkpoint from before the spike, if any."""
+        # the loss logged at step d was computed with the parameters after d - 1 updates
+        if self.checkpointer is None:
+            return None
+        earlier = [s for s in self.checkpointer.steps() if s < spike_step - 1]
+        return max(earlier) if earlier else None
+
+    def rollback(self, to: int) -> None:
+        """Back to checkpoint `to`: later checkpoints are set aside, `skip_batches` batches skipped
+        (more if that is what it takes to get past the batch of the spike)."""
+        m, checkpointer = self.cfg.monitor, self.checkpointer
+        checkpointer.wait()
+        _, restored, meta = checkpointer.restore(self.trainer.abstract_state()._asdict(), step=to)
+        checkpointer.set_aside([s for s in checkpointer.steps() if s > to], "rolledback")
+        skip = max(m.skip_batches, self.spike_batch - self.recovery.batch_index(to) + 1)
+        self.writer.event(
+            "rollback",
+            to,
+            to_step=to,
+            skip_batches=skip,
+            cooldown=m.cooldown,
+            lr_factor=m.lr_factor,
+            rollbacks=self.recovery.rollbacks + 1,
+        )
+        self.recovery.rollback(to, skip, m.cooldown, m.lr_factor)
+        self.monitor = Monitor(m, meta.get("monitor"))
+        self.pending.clear()
+        self.rollback_to, self.saved = None, to
+        self.meter.restart(to)
+        if self.lead:
+            self.log(f"rolled back to step {to}; skipping {m.skip_batches} batches")
+        self.state, self.step = TrainState(**restored), to
+
+    def preempt(self, done: int, metrics: dict) -> None:
+        """Stop for a signal: leave the newest good state on disk, say which step it is, raise Preempted."""
+        self.checkpoint(done, metrics, wait=True)
+        if self.rollback_to is not None:  # a spike surfaced while stopping: recover first
+            self.rollback(self.rollback_to)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        assert self.stop is not None  # only a StopSignal asks for this
+        on_disk = max(self.checkpointer.steps(), default=None) if self.checkpointer is not None else None
+        self.writer.event("preempted", done, signal=self.stop.requested, checkpoint=on_disk)
+        raise Preempted(on_disk)
