@@ -170,7 +170,7 @@ class Checkpointer:
 def _check_complete(state, abstract_state) -> None:
     got = jax.tree.structure(state)
     want = jax.tree.structure(abstract_state)
-    if got != want:
+    if got != want:  # type: ignore[operator]  # jaxlib's stub declares PyTreeDef.__eq__ only
         raise ValueError("the checkpoint's tree does not match the model")
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(abstract_state)):
         if a.shape != b.shape:

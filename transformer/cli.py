@@ -6,12 +6,13 @@ User mistakes (bad config, bad arguments) end with exit code 2 and one line on s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from transformer.config import ConfigError
+from transformer.config import Config, ConfigError
 from transformer.config_loader import load_config
 from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 
@@ -24,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _fail(prog: str, message: str) -> None:
+def _fail(prog: str, message: str) -> NoReturn:
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(EXIT_USAGE)
 
@@ -51,7 +52,8 @@ def _distributed(args) -> None:
         return
     if args.coordinator is None or args.num_processes is None or args.process_id is None:
         _fail("train.py", "--coordinator, --num-processes and --process-id go together")
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]  # a flag, not in jax's stubs
+    if platforms in (None, "", "cpu") or "cpu" in str(platforms):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
 
@@ -71,6 +73,7 @@ def train_main(argv: list[str] | None = None) -> int:
         _fail("train.py", f"config: {e}")
     if sweep is not None:
         return _sweep_main(args, sweep)
+    assert cfg is not None
     if args.parallel != 1 or args.print_commands:
         _fail("train.py", "--parallel and --print-commands are for sweep files (a config with a sweep: block)")
     if args.dry_run:
@@ -80,14 +83,18 @@ def train_main(argv: list[str] | None = None) -> int:
         print()
         print(summary_text(cfg.model, cfg.data.seq_len))
         return 0
+    _distributed(args)
+    return _train_job(cfg, Path(args.workdir) if args.workdir else _default_workdir(args.config))
 
+
+def _train_job(cfg: Config, workdir: Path) -> int:
+    """Run the job; each way it can end becomes its exit code and at most one line on stderr."""
     from transformer.checkpoint import CheckpointError
     from transformer.data import DataError
+    from transformer.job import run
     from transformer.monitor import MonitorStop
-    from transformer.trainer import Preempted, run
+    from transformer.signals import Preempted
 
-    _distributed(args)
-    workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)
     try:
         run(cfg, workdir)
     except ConfigError as e:
@@ -197,20 +204,41 @@ def _compare_main(directory: Path) -> int:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
-    import json
-
     args = eval_parser().parse_intermixed_args(argv)
     if args.compare is not None:
         return _compare_main(Path(args.compare))
     if args.workdir is None:
         _fail("eval.py", "give --workdir DIR (a run) or --compare DIR (a sweep or a directory of runs)")
-    workdir = Path(args.workdir)
+    prompts = _prompts(args)
+    _check_eval_args(args)
+
+    from transformer.checkpoint import CheckpointError
+    from transformer.data import DataError
+
+    try:
+        if prompts:
+            return _sample_main(args, Path(args.workdir), prompts)
+        return _evaluate_main(args, Path(args.workdir))
+    except ConfigError as e:
+        _fail("eval.py", str(e))
+    except DataError as e:
+        _fail("eval.py", f"data: {e}")
+    except CheckpointError as e:
+        _fail("eval.py", f"checkpoint: {e}")
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """The --generate prompts, then the lines of --prompts FILE."""
     prompts = list(args.generate)
     if args.prompts is not None:
         try:
             prompts += [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
         except OSError as e:
             _fail("eval.py", f"--prompts: cannot read {args.prompts}: {e.strerror}")
+    return prompts
+
+
+def _check_eval_args(args: argparse.Namespace) -> None:
     checks = [
         (args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
         (args.temperature >= 0, "--temperature must be >= 0"),
@@ -222,29 +250,26 @@ def eval_main(argv: list[str] | None = None) -> int:
         if not ok:
             _fail("eval.py", message)
 
-    from transformer.checkpoint import CheckpointError
-    from transformer.data import DataError
-    from transformer.evaluate import evaluate, sample
+
+def _sample_main(args: argparse.Namespace, workdir: Path, prompts: list[str]) -> int:
+    from transformer.evaluate import sample
     from transformer.generate import SamplingConfig
 
-    try:
-        if prompts:
-            sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-            texts = sample(workdir, prompts, sampling, args.step)
-            if args.json:
-                print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)]))
-            else:
-                for prompt, text in zip(prompts, texts):
-                    print(prompt + text)
-                    print("-" * 40)
-            return 0
-        result = evaluate(workdir, args.step, args.overrides, args.split, args.batches)
-    except ConfigError as e:
-        _fail("eval.py", str(e))
-    except DataError as e:
-        _fail("eval.py", f"data: {e}")
-    except CheckpointError as e:
-        _fail("eval.py", f"checkpoint: {e}")
+    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    texts = sample(workdir, prompts, sampling, args.step)
+    if args.json:
+        print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)]))
+    else:
+        for prompt, text in zip(prompts, texts):
+            print(prompt + text)
+            print("-" * 40)
+    return 0
+
+
+def _evaluate_main(args: argparse.Namespace, workdir: Path) -> int:
+    from transformer.evaluate import evaluate
+
+    result: dict[str, Any] = evaluate(workdir, args.step, args.overrides, args.split, args.batches)
     if args.json:
         print(json.dumps(result))
     else:

@@ -107,6 +107,20 @@ class ModelConfig:
     remat: Remat = "none"
 
     def __post_init__(self):
+        # in this order, so that of several mistakes the most basic is reported
+        self._resolve_sizes()
+        self._check_positions()
+        self._check_windows()
+        self._check_scalars()
+        self._check_attention_impl()
+        _check(  # a learned table needs a last row: see max_positions
+            self.position != "learned" or self.max_seq_len is not None,
+            "max_seq_len",
+            "learned positions need a maximum length (model.max_seq_len or data.seq_len)",
+        )
+
+    def _resolve_sizes(self) -> None:
+        """Check the sizes and fill in the derived ones (kv heads, head dim, FFN width)."""
         for name in ("d_model", "n_layers", "n_heads", "ffn_multiple", "vocab_size", "vocab_multiple"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         if self.n_kv_heads is None:
@@ -135,6 +149,8 @@ class ModelConfig:
         _check(self.d_ff >= 1, "d_ff", f"must be >= 1, got {self.d_ff}")
         if self.max_seq_len is not None:
             _check(self.max_seq_len >= 1, "max_seq_len", f"must be >= 1, got {self.max_seq_len}")
+
+    def _check_positions(self) -> None:
         _check(
             self.position != "rope" or self.head_dim % 2 == 0,
             "head_dim",
@@ -145,6 +161,8 @@ class ModelConfig:
             "d_model",
             f"sinusoidal positions need an even d_model, got {self.d_model}",
         )
+
+    def _check_windows(self) -> None:
         if self.window is not None:
             _check(self.window >= 1, "window", f"must be >= 1 (or null for full attention), got {self.window}")
         if self.attention_pattern is not None:
@@ -154,6 +172,8 @@ class ModelConfig:
                 "attention_pattern",
                 "a per-layer pattern needs model.window for its local layers",
             )
+
+    def _check_scalars(self) -> None:
         for name in ("rope_theta", "norm_eps", "init_std"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         for name in ("attn_scale", "attn_softcap", "logit_softcap"):
@@ -162,6 +182,8 @@ class ModelConfig:
         for name in ("dropout", "attn_dropout"):
             value = getattr(self, name)
             _check(0.0 <= value < 1.0, name, f"must be in [0, 1), got {value}")
+
+    def _check_attention_impl(self) -> None:
         # jax.nn.dot_product_attention has no hook for soft-capping or dropping attention weights.
         if self.attention_impl != "einsum":
             for name in ("attn_softcap", "attn_dropout"):
@@ -174,11 +196,6 @@ class ModelConfig:
             self.attention_impl != "cudnn" or self.dtype != "float32",
             "attention_impl",
             "cudnn attention runs in bfloat16 or float16; set model.dtype accordingly",
-        )
-        _check(  # a learned table needs a last row: see max_positions
-            self.position != "learned" or self.max_seq_len is not None,
-            "max_seq_len",
-            "learned positions need a maximum length (model.max_seq_len or data.seq_len)",
         )
 
     # --- derived values -------------------------------------------------------------------------

@@ -42,7 +42,11 @@ def split_windows(data: Data, split: str):
 
 
 def evaluate(
-    workdir: Path, step: int | None = None, overrides: list[str] = (), split: str = "val", batches: int | None = None
+    workdir: Path,
+    step: int | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    split: str = "val",
+    batches: int | None = None,
 ) -> dict:
     cfg = run_config(workdir, list(overrides))
     mesh = sharding.make_mesh(cfg)
@@ -85,6 +89,7 @@ def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: in
     for text, ids in zip(prompts, encoded):
         if not ids:
             raise ConfigError("--generate", "an empty prompt: give at least one character")
+        assert cfg.model.max_seq_len is not None  # a run's Config fills it from data.seq_len
         if len(ids) > cfg.model.max_seq_len:
             raise ConfigError(
                 "--generate",
