@@ -1,3 +1,4 @@
+import itertools
 import json
 import os
 import tempfile
@@ -38,6 +39,21 @@ def tiny(**overrides) -> ModelConfig:
     kw = dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=61, vocab_multiple=16, ffn_multiple=16)
     kw.update(overrides)
     return ModelConfig(**kw)
+
+
+def all_pairs(*factors: tuple) -> list[tuple]:
+    """Rows such that every value of every factor meets every value of every other factor in some
+    row (a greedy covering array): 5 x 5 x 4 x 2 values in ~25 rows instead of 200. Interactions of
+    three switches at once are left to the targeted tests."""
+    index_pairs = list(itertools.combinations(range(len(factors)), 2))
+    uncovered = {(x, y, a, b) for x, y in index_pairs for a in factors[x] for b in factors[y]}
+    candidates = list(itertools.product(*factors))
+    rows = []
+    while uncovered:
+        row = max(candidates, key=lambda r: sum((x, y, r[x], r[y]) in uncovered for x, y in index_pairs))
+        rows.append(row)
+        uncovered -= {(x, y, row[x], row[y]) for x, y in index_pairs}
+    return rows
 
 
 def build(cfg: ModelConfig, seed: int = 0) -> Transformer:

@@ -93,6 +93,7 @@ def straight(corpus, cache, tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path):
     # a schedule that does not depend on train.steps, so stopping at 30 is on the 60-step trajectory
     reference = tmp_path / "reference"
@@ -129,6 +130,7 @@ def start_cli(corpus, cache, workdir, *extra):
     )
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_ends_bitwise_identical(corpus, cache, straight, tmp_path):
     workdir = tmp_path / "killed"
     proc = start_cli(corpus, cache, workdir, "checkpoint.async=false")
@@ -145,6 +147,7 @@ def test_sigkill_then_resume_ends_bitwise_identical(corpus, cache, straight, tmp
     assert_bitwise_equal(final_params(workdir), final_params(straight))
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_75(corpus, cache, straight, tmp_path):
     workdir = tmp_path / "preempted"
     proc = start_cli(corpus, cache, workdir)
@@ -163,6 +166,7 @@ def test_sigterm_checkpoints_and_exits_75(corpus, cache, straight, tmp_path):
     assert_bitwise_equal(final_params(workdir), final_params(straight))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved_on, restored_on", [(8, 1), (1, 8)])
 def test_reshard_on_restore(corpus, cache, tmp_path, saved_on, restored_on):
     def devices(n):
@@ -211,6 +215,7 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
         ("optim.lr=0.01", "optim.lr: 0.003 -> 0.01"),
     ],
 )
+@pytest.mark.slow
 def test_unsafe_config_change_is_refused_and_touches_nothing(corpus, cache, straight, tmp_path, change, named):
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
@@ -222,6 +227,7 @@ def test_unsafe_config_change_is_refused_and_touches_nothing(corpus, cache, stra
     assert snapshot(workdir) == before
 
 
+@pytest.mark.slow
 def test_safe_change_on_a_finished_run_is_accepted_and_logged(corpus, cache, straight, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
@@ -231,6 +237,7 @@ def test_safe_change_on_a_finished_run_is_accepted_and_logged(corpus, cache, str
     assert max(losses(workdir)) == 70
 
 
+@pytest.mark.slow
 def test_interrupted_save_is_ignored_and_cleaned(corpus, cache, straight, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
@@ -252,6 +259,7 @@ def damage(step_dir: Path) -> None:
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 3])
 
 
+@pytest.mark.slow
 def test_corrupted_latest_falls_back_to_the_previous(corpus, cache, straight, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
@@ -264,6 +272,7 @@ def test_corrupted_latest_falls_back_to_the_previous(corpus, cache, straight, tm
     assert (workdir / "checkpoints" / "60").is_dir()  # written again by the resumed run
 
 
+@pytest.mark.slow
 def test_no_valid_checkpoint_exits_1_and_deletes_nothing(corpus, cache, straight, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
@@ -278,6 +287,7 @@ def test_no_valid_checkpoint_exits_1_and_deletes_nothing(corpus, cache, straight
     assert before <= {p for p in workdir.rglob("*")}
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_directory(corpus, cache, straight, tmp_path):
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -289,6 +299,7 @@ def test_unwritable_checkpoint_directory(corpus, cache, straight, tmp_path):
     assert (workdir / "checkpoints").read_text().startswith("a file")
 
 
+@pytest.mark.slow
 def test_keep_latest_and_best(corpus, cache, tmp_path):
     """Kept: the latest `keep` checkpoints plus the `keep_best` best by validation loss, also after a
     resume (a new process must still know each kept checkpoint's validation loss)."""
@@ -314,6 +325,7 @@ def test_keep_latest_and_best(corpus, cache, tmp_path):
         reopened.close()
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_says_so(corpus, cache, straight, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
@@ -324,6 +336,7 @@ def test_resuming_a_finished_run_says_so(corpus, cache, straight, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_non_finite_state_is_never_saved(corpus, cache, tmp_path):
     from transformer.monitor import MonitorStop
 

@@ -45,10 +45,12 @@ def assert_usage_error(result: subprocess.CompletedProcess, *names: str) -> None
     assert result.returncode == 2
 
 
+@pytest.mark.slow
 def test_dry_run_prints_resolved_config_and_summary():
     assert_dry_run(train("--dry-run"), load_config().to_dict())
 
 
+@pytest.mark.slow
 def test_first_positional_may_be_an_override():
     overrides = ["model.n_layers=2", "optim.lr=3e-4"]
     result = train(*overrides, "--dry-run")
@@ -56,6 +58,7 @@ def test_first_positional_may_be_an_override():
     assert resolved_config(result.stdout)["model"]["n_layers"] == 2
 
 
+@pytest.mark.slow
 def test_config_file_and_overrides(tmp_path):
     child = tmp_path / "child.yaml"
     child.write_text(f"base: {DEFAULT_CONFIG}\nmodel:\n  n_layers: 3\n")
@@ -77,10 +80,12 @@ def test_config_file_and_overrides(tmp_path):
     ],
     ids=["unknown-key", "wrong-type", "impossible-combination", "missing-file", "unknown-option", "malformed-override"],
 )
+@pytest.mark.slow
 def test_user_mistake_exits_2_with_one_line(args, names):
     assert_usage_error(train(*args, "--dry-run"), *names)
 
 
+@pytest.mark.slow
 def test_invalid_yaml_exits_2_naming_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n\td_model: 3\n")

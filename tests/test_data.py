@@ -763,6 +763,7 @@ def test_unreadable_or_mixed_files(tmp_path):
     assert message.startswith("data.source:") and ".docx" in message
 
 
+@pytest.mark.slow
 def test_a_hub_dataset_while_offline(tmp_path):
     script = textwrap.dedent(
         """

@@ -57,6 +57,7 @@ def eval_json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [None, 10])
 def test_eval_loss_equals_the_training_log(trained, capsys, step):
     workdir, _ = trained
@@ -69,6 +70,7 @@ def test_eval_loss_equals_the_training_log(trained, capsys, step):
     assert 0 < result["bits_per_byte"] < 10
 
 
+@pytest.mark.slow
 def test_other_split_batches_and_dataset(trained, capsys):
     workdir, root = trained
     train_split = eval_json(capsys, "--workdir", str(workdir), "--split", "train", "--batches", "1")
@@ -79,6 +81,7 @@ def test_other_split_batches_and_dataset(trained, capsys):
     assert result["loss"] != pytest.approx(logged_val_loss(workdir, 20), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_generate_prints_a_continuation(trained, capsys):
     workdir, _ = trained
     argv = [
@@ -110,6 +113,7 @@ def expect_usage_error(capsys, argv, fragment):
     assert len(err) == 1 and fragment in err[0], err
 
 
+@pytest.mark.slow
 def test_bad_input(trained, tmp_path, capsys):
     workdir, _ = trained
     expect_usage_error(capsys, ["--workdir", str(tmp_path)], "holds no run")
@@ -123,6 +127,7 @@ def test_bad_input(trained, tmp_path, capsys):
     expect_usage_error(capsys, ["--workdir", str(workdir), "--top-p", "0"], "--top-p")
 
 
+@pytest.mark.slow
 def test_eval_cli_end_to_end(trained):
     workdir, _ = trained
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -216,6 +216,7 @@ def reference(corpus, cache, tmp_path_factory):
     return train_run(corpus, cache, tmp_path_factory.mktemp("reference") / "run", "train.steps=100")
 
 
+@pytest.mark.slow
 def test_injected_spike_rollback_recovers(corpus, cache, reference, tmp_path):
     workdir = train_run(
         corpus,
@@ -242,6 +243,7 @@ def test_injected_spike_rollback_recovers(corpus, cache, reference, tmp_path):
     assert max(got[s] for s in range(60, 101)) < 1.5 * max(want[s] for s in range(60, 101))
 
 
+@pytest.mark.slow
 def test_skip_mode_drops_the_spike_step(corpus, cache, tmp_path):
     workdir = train_run(
         corpus,
@@ -262,6 +264,7 @@ def test_skip_mode_drops_the_spike_step(corpus, cache, tmp_path):
     assert any(e["action"] == "skipped" and e["step"] == 71 for e in events(workdir, "spike"))
 
 
+@pytest.mark.slow
 def test_nan_gradients_never_reach_parameters_or_checkpoints(corpus, cache, reference, tmp_path):
     from transformer.checkpoint import load
 
@@ -274,6 +277,7 @@ def test_nan_gradients_never_reach_parameters_or_checkpoints(corpus, cache, refe
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(nnx.state(model)))
 
 
+@pytest.mark.slow
 def test_consecutive_nonfinite_steps_stop_the_run(corpus, cache, tmp_path):
     workdir = tmp_path / "run"
     with pytest.raises(MonitorStop, match=r"3 non-finite steps in a row \(monitor.max_nonfinite = 3\)"):
@@ -292,6 +296,7 @@ def test_consecutive_nonfinite_steps_stop_the_run(corpus, cache, tmp_path):
     assert not [p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]  # nothing bad was saved
 
 
+@pytest.mark.slow
 def test_recovery_records_survive_a_kill(corpus, cache, tmp_path):
     """Killed after a rollback: the resumed run does not fire the fault again, keeps the skipped
     batches, and ends where an unkilled run with the same rollback ends."""

@@ -12,6 +12,7 @@ from transformer.report import build
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("sweep")
 def test_compare_runs_notebook_executes_on_a_sweep(tiny_sweep, monkeypatch):
     monkeypatch.setenv("COMPARE_RUNS", str(tiny_sweep))

@@ -211,6 +211,7 @@ def test_verdict_without_lr_grid_counts_spikes_and_divergence(tmp_path):
     assert "pre was more stable than post" in verdict and verdict.startswith("Weak evidence"), verdict
 
 
+@pytest.mark.slow
 def test_eval_compare_cli(tiny_sweep_or_fake):
     out = subprocess.run(
         [sys.executable, str(ROOT / "eval.py"), "--compare", str(tiny_sweep_or_fake)], capture_output=True, text=True
@@ -227,6 +228,7 @@ def tiny_sweep_or_fake(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_eval_compare_refuses_a_directory_without_runs(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "eval.py"), "--compare", str(tmp_path)], capture_output=True, text=True
@@ -234,6 +236,7 @@ def test_eval_compare_refuses_a_directory_without_runs(tmp_path):
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "no runs" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("sweep")
 def test_report_of_a_real_sweep_matches_its_runs(tiny_sweep):
     """On runs the trainer wrote: every row's numbers are those of its metrics.jsonl."""

@@ -57,6 +57,7 @@ def test_model_statistics_on_a_known_case(scan_layers):
     assert float(stats["log_z_mean"]) == pytest.approx(float(jnp.mean(jax.nn.logsumexp(logits, -1))), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_training_writes_per_layer_statistics(tmp_path):
     from transformer.config_loader import load_config
     from transformer.job import run

@@ -169,6 +169,7 @@ def _train(*args, cwd=ROOT):
 TINY = {k: v for k, v in TINY_SWEEP.items() if k != "sweep"}
 
 
+@pytest.mark.slow
 def test_cli_refuses_an_invalid_member_before_running_any(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({**TINY, "sweep": {"grid": {"model.n_kv_heads": [2, 3]}}}))
@@ -179,6 +180,7 @@ def test_cli_refuses_an_invalid_member_before_running_any(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing was started or written
 
 
+@pytest.mark.slow
 def test_cli_print_commands_and_dry_run(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({**TINY, "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}, "seeds": [0, 1]}}))
@@ -210,6 +212,7 @@ def test_member_status_reads_the_events(tmp_path):
     assert status(tmp_path) == "stopped" and "stopped" in FINAL
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("sweep")
 def test_rerunning_a_half_finished_sweep_runs_only_the_unfinished_members(tiny_sweep, tmp_path):
     """One member finished, one interrupted after its first checkpoint, one never started: the rerun
@@ -240,6 +243,7 @@ def test_rerunning_a_half_finished_sweep_runs_only_the_unfinished_members(tiny_s
     assert again.returncode == 0 and "4 already done, 0 to run" in again.stdout, again.stdout
 
 
+@pytest.mark.slow
 def test_a_member_with_another_config_in_its_directory_is_refused(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({**TINY, "sweep": {"grid": {"optim.lr": [1e-3]}}}))
@@ -261,6 +265,7 @@ def test_ffn_study_compares_at_equal_parameter_count():
     assert len({count_params(m.config.model) for m in s.members}) == 1
 
 
+@pytest.mark.slow
 def test_a_signal_stops_the_sweep_with_the_running_member_checkpointed(tmp_path):
     """SIGTERM to the sweep (a scheduler's preemption, or Ctrl-C) is passed to the running member,
     which checkpoints and exits 75; the sweep starts nothing more and exits 75 too."""

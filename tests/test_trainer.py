@@ -61,6 +61,7 @@ def run_tiny(cfg):
     return losses, result
 
 
+@pytest.mark.slow
 def test_losses_identical_across_meshes(corpus, tmp_path):
     meshes = [
         {"devices": 1},
@@ -94,6 +95,7 @@ def test_losses_identical_across_meshes(corpus, tmp_path):
     assert by_mesh[(8, 1, 1)]["qkv"] == "P(None, None, None, None, None)"
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
     one, r1 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=1"))
     four, r4 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=4"))
@@ -101,6 +103,7 @@ def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), r1.params, r4.params)
 
 
+@pytest.mark.slow
 def test_dropout_run_is_reproducible_and_differs_from_no_dropout(corpus, tmp_path):
     a, _ = run_tiny(tiny_run(corpus, tmp_path, "model.dropout=0.2"))
     b, _ = run_tiny(tiny_run(corpus, tmp_path, "model.dropout=0.2"))
@@ -135,6 +138,7 @@ def test_weight_decay_mask():
     assert decay_mask(params, decay_embeddings=True)["embed"] is True
 
 
+@pytest.mark.slow
 def test_decay_touches_matrices_only_in_the_real_parameter_tree():
     """Zero gradients: AdamW's update is then exactly -lr * wd * w where decay applies, else 0."""
     from flax import nnx
@@ -231,6 +235,7 @@ def cli(*args, env=None, timeout=600):
     )
 
 
+@pytest.mark.slow
 def test_invalid_mesh_exits_2_from_the_cli(tmp_path):
     out = cli(
         "mesh.data=3", "--workdir", str(tmp_path / "run"), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -242,6 +247,7 @@ def test_invalid_mesh_exits_2_from_the_cli(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_train_cli_end_to_end(corpus, tmp_path):
     workdir = tmp_path / "run"
     out = cli(
@@ -289,6 +295,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(corpus, tmp_path):
     common = [
         f"data.source=files:{corpus}",

@@ -1,14 +1,13 @@
 """Whole-model properties: scan = unrolled, jit = eager, remat, dtypes, axes, every variant runs and learns."""
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ATTENTION_VARIANTS, NORM_POSITIONS, POSITIONS, build, tiny
+from conftest import ATTENTION_VARIANTS, NORM_POSITIONS, POSITIONS, all_pairs, build, tiny
 from flax import nnx
 
 LOGICAL_AXES = {"embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", None}
@@ -150,7 +149,7 @@ def test_every_parameter_has_logical_axes():
     assert model.blocks.ffn.w_in.get_metadata()["axes"] == ("layers", "embed", "mlp")
 
 
-SMOKE = list(itertools.product(ATTENTION_VARIANTS, POSITIONS, NORM_POSITIONS, ["gelu", "swiglu"]))
+SMOKE = all_pairs(tuple(ATTENTION_VARIANTS), POSITIONS, NORM_POSITIONS, ("gelu", "swiglu"))
 
 
 @pytest.mark.parametrize("variant, position, norm_position, ffn", SMOKE)
