@@ -21,7 +21,7 @@ from transformer.trainer import Trainer, TrainState
 
 
 def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
-    """The `train.py` job: resume checks, data, config.yaml, training, checkpoints, and a summary."""
+    """The `train.py` job: resume checks, data, the resolved config, training, checkpoints, and a summary."""
     lead = jax.process_index() == 0
     sharding.mesh_shape(cfg, jax.device_count())  # refuse an impossible mesh before any work
     changes = resume_changes(cfg, workdir)
