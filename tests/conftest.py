@@ -87,6 +87,26 @@ def logged(workdir: Path, key: str) -> dict[int, float]:
 read_events = rundir.read_events
 
 
+def tiny_run_overrides(corpus: Path, cache: Path, *extra: str) -> list[str]:
+    """Overrides for a 2-layer, 32-wide model on a small JSONL corpus, logging every step to files
+    only: the run the trainer, checkpoint and monitor tests train (each adds its own `extra`)."""
+    return [
+        f"data.source=files:{corpus}",
+        f"data.cache_dir={cache}",
+        "data.seq_len=32",
+        "data.val_windows=8",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.ffn_multiple=16",
+        "train.batch_size=8",
+        "logging.every=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        *extra,
+    ]
+
+
 # A finished tiny sweep (Pre-LN and Post-LN over two learning rates) shared by the sweep, report and
 # notebook tests: it takes about a minute to run, so it runs once per session. Tests that use it
 # are grouped onto one xdist worker (`@pytest.mark.xdist_group("sweep")`, `--dist loadgroup`).

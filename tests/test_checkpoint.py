@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, logged, read_events, write_corpus
+from conftest import ROOT, logged, read_events, tiny_run_overrides, write_corpus
 from flax import nnx
 
 from transformer.checkpoint import CheckpointError, load
@@ -32,24 +32,9 @@ def cache(tmp_path_factory) -> Path:
 
 
 def args(corpus, cache, *extra):
-    return [
-        f"data.source=files:{corpus}",
-        f"data.cache_dir={cache}",
-        "data.seq_len=32",
-        "data.val_windows=8",
-        "model.d_model=32",
-        "model.n_layers=2",
-        "model.n_heads=4",
-        "model.ffn_multiple=16",
-        "train.batch_size=8",
-        "train.eval_every=20",
-        "logging.every=1",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-        "checkpoint.every=10",
-        "optim.warmup_steps=5",
-        *extra,
-    ]
+    return tiny_run_overrides(
+        corpus, cache, "train.eval_every=20", "checkpoint.every=10", "optim.warmup_steps=5", *extra
+    )
 
 
 def run_in_process(corpus, cache, workdir, *extra):

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, logged, read_events, write_corpus
+from conftest import ROOT, logged, read_events, tiny_run_overrides, write_corpus
 
 from transformer import rundir, sharding
 from transformer.config import MonitorConfig
@@ -29,20 +29,10 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def args(corpus, cache, *extra):
-    return [
-        f"data.source=files:{corpus}",
-        f"data.cache_dir={cache}",
-        "data.seq_len=32",
-        "data.val_windows=8",
-        "model.d_model=32",
-        "model.n_layers=2",
-        "model.n_heads=4",
-        "model.ffn_multiple=16",
-        "train.batch_size=8",
+    return tiny_run_overrides(
+        corpus,
+        cache,
         "train.eval_every=1000",
-        "logging.every=1",
-        "logging.progress=false",
-        "logging.tensorboard=false",
         "checkpoint.every=10",
         "checkpoint.keep=3",
         "optim.warmup_steps=5",
@@ -51,7 +41,7 @@ def args(corpus, cache, *extra):
         "monitor.threshold=8",
         "optim.lr=1e-3",
         *extra,
-    ]
+    )
 
 
 def train_run(corpus, cache, workdir, *extra):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, write_corpus
+from conftest import ROOT, tiny_run_overrides, write_corpus
 
 from transformer import sharding
 from transformer.config import ConfigError, OptimConfig
@@ -31,24 +31,7 @@ def corpus(tmp_path_factory) -> Path:
 def tiny_run(corpus: Path, cache: Path, *overrides: str):
     return load_config(
         None,
-        [
-            f"data.source=files:{corpus}",
-            f"data.cache_dir={cache}",
-            "data.seq_len=32",
-            "data.val_windows=8",
-            "model.d_model=32",
-            "model.n_layers=2",
-            "model.n_heads=4",
-            "model.ffn_multiple=16",
-            "train.batch_size=8",
-            "train.steps=6",
-            "train.eval_every=6",
-            "logging.every=1",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-            "optim.warmup_steps=2",
-            *overrides,
-        ],
+        tiny_run_overrides(corpus, cache, "train.steps=6", "train.eval_every=6", "optim.warmup_steps=2", *overrides),
     )
 
 
