@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from transformer import rundir, sharding
-from transformer.checkpoint import meta_record, state_is_finite
+from transformer.checkpoint import Checkpointer, meta_record, state_is_finite
 from transformer.config import Config
 from transformer.data import Data
 from transformer.metrics import Progress, Throughput, device_peak_flops
@@ -67,7 +67,7 @@ class TrainLoop:
         mesh: jax.sharding.Mesh | None = None,
         log: Callable[[str], None] = print,
         on_metrics: Callable[[int, dict], None] | None = None,
-        checkpointer=None,
+        checkpointer: Checkpointer | None = None,
         start: TrainState | None = None,
         stop: StopSignal | None = None,
         monitor_state: dict | None = None,
@@ -297,6 +297,7 @@ class TrainLoop:
         """Back to checkpoint `to`: later checkpoints are set aside, `skip_batches` batches skipped
         (more if that is what it takes to get past the batch of the spike)."""
         m, checkpointer = self.cfg.monitor, self.checkpointer
+        assert checkpointer is not None  # rollback_target found no checkpoint to return to without one
         checkpointer.wait()
         _, restored, meta = checkpointer.restore(self.trainer.abstract_state()._asdict(), step=to)
         checkpointer.set_aside([s for s in checkpointer.steps() if s > to], "rolledback")
@@ -316,7 +317,7 @@ class TrainLoop:
         self.rollback_to, self.saved = None, to
         self.meter.restart(to)
         if self.lead:
-            self.log(f"rolled back to step {to}; skipping {m.skip_batches} batches")
+            self.log(f"rolled back to step {to}; skipping {skip} batches")
         self.state, self.step = TrainState(**restored), to
 
     def preempt(self, done: int, metrics: dict) -> None:
