@@ -333,3 +333,30 @@ def test_two_processes_match_one_process(corpus, tmp_path):
 
     assert len(losses("one")) == 8
     np.testing.assert_allclose(losses("two"), losses("one"), rtol=1e-5)
+
+
+def test_adafactor_state_is_sharded_by_shape_and_trains():
+    """Adafactor keeps factored moments (one dimension fewer than their parameter) in the
+    parameter's place: each gets a sharding of its own rank, and a step runs (it crashed at init)."""
+    from transformer.trainer import Trainer, default_controls
+
+    cfg = load_config(
+        None,
+        [
+            "optim.name=adafactor",
+            "model.d_model=32",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.ffn_multiple=16",
+            "data.seq_len=16",
+            "train.batch_size=2",
+        ],
+    )
+    trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
+    state = trainer.init(jax.random.key(0))
+    for leaf, s in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state_shardings)):
+        assert len(s.spec) <= leaf.ndim
+    tokens = np.zeros((2, 16), np.int32)
+    batch = trainer.put_batch({"inputs": tokens, "targets": tokens}, 2)
+    state, metrics = trainer.train_step(state, batch, default_controls())
+    assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))

@@ -90,6 +90,20 @@ def default_controls(
     }
 
 
+def _opt_shardings(tx: optax.GradientTransformation, abstract_params: dict, param_shardings: dict, replicated):
+    """Shardings of the optimiser state: a moment shaped like its parameter is sharded like it;
+    anything else is replicated. Adafactor keeps, in the parameter's place, factored row and column
+    moments (one dimension fewer) and a placeholder of shape (1,); those are small, so replicated."""
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+
+    def like_param(leaf, param_sharding, param):
+        return param_sharding if getattr(leaf, "shape", None) == param.shape else replicated
+
+    return optax.tree_map_params(
+        tx, like_param, abstract_opt, param_shardings, abstract_params, transform_non_params=lambda _: replicated
+    )
+
+
 class Trainer:
     """Builds the jitted steps for one config on one mesh."""
 
@@ -100,11 +114,8 @@ class Trainer:
         param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
         self.tx = make_optimizer(cfg.optim, cfg.train.steps, nnx.to_pure_dict(abstract))
         self.lr = schedule(cfg.optim, cfg.train.steps)
-        abstract_opt = jax.eval_shape(self.tx.init, nnx.to_pure_dict(abstract))
         replicated = sharding.replicated(mesh)
-        opt_shardings = optax.tree_map_params(
-            self.tx, lambda _, s: s, abstract_opt, param_shardings, transform_non_params=lambda _: replicated
-        )
+        opt_shardings = _opt_shardings(self.tx, nnx.to_pure_dict(abstract), param_shardings, replicated)
         # a TrainState of shardings, not arrays
         self.state_shardings = TrainState(replicated, param_shardings, opt_shardings)  # type: ignore[arg-type]
         batch_spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
