@@ -270,7 +270,7 @@ def test_nan_gradients_never_reach_parameters_or_checkpoints(corpus, cache, refe
 @pytest.mark.slow
 def test_consecutive_nonfinite_steps_stop_the_run(corpus, cache, tmp_path):
     workdir = tmp_path / "run"
-    with pytest.raises(MonitorStop, match=r"3 non-finite steps in a row \(monitor.max_nonfinite = 3\)"):
+    with pytest.raises(MonitorStop, match=r"3 non-finite steps in a row \(monitor.max_nonfinite = 3\)") as stop:
         train_run(
             corpus,
             cache,
@@ -283,6 +283,10 @@ def test_consecutive_nonfinite_steps_stop_the_run(corpus, cache, tmp_path):
             "monitor.max_nonfinite=3",
         )
     assert [e["action"] for e in events(workdir, "nonfinite")] == ["not applied"] * 3
+    # lr 1e30: applied updates made the parameters non-finite; the message must not deny it
+    message = str(stop.value)
+    assert "no bad update was applied" not in message
+    assert "none of them was applied" in message and "applied before step" in message, message
     assert not [p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]  # nothing bad was saved
 
 

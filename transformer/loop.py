@@ -246,10 +246,17 @@ class TrainLoop:
         """MonitorStop after `monitor.max_nonfinite` non-finite steps in a row, or when a rollback is
         due and `monitor.max_rollbacks` are spent."""
         m = self.cfg.monitor
-        if self.monitor.nonfinite_run >= m.max_nonfinite:
+        run = self.monitor.nonfinite_run
+        if run >= m.max_nonfinite:
+            # What is known: the jitted step applied none of these steps, and no non-finite state was
+            # saved. Not known: whether an update applied before them (an lr spike, say: its own step
+            # looked normal) left finite but broken parameters, possibly in the newest checkpoints.
+            first = anomaly.step - run + 1
             raise MonitorStop(
-                f"{self.monitor.nonfinite_run} non-finite steps in a row (monitor.max_nonfinite = "
-                f"{m.max_nonfinite}), the last at step {anomaly.step}; no bad update was applied or saved"
+                f"{run} non-finite steps in a row (monitor.max_nonfinite = {m.max_nonfinite}), steps "
+                f"{first} to {anomaly.step}: none of them was applied and no non-finite state was saved, "
+                f"but an update applied before step {first} may have caused them (and may be in the "
+                f"newest checkpoints)"
             )
         if target is not None and self.recovery.rollbacks >= m.max_rollbacks:
             raise MonitorStop(
