@@ -93,10 +93,13 @@ def _train_job(cfg: Config, workdir: Path) -> int:
     from transformer.data import DataError
     from transformer.job import run
     from transformer.monitor import MonitorStop
+    from transformer.rundir import Busy
     from transformer.signals import Preempted
 
     try:
         run(cfg, workdir)
+    except Busy as e:  # another train.py writes this run directory
+        _fail("train.py", str(e))
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
     except DataError as e:
@@ -115,6 +118,7 @@ def _train_job(cfg: Config, workdir: Path) -> int:
 
 
 def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
+    from transformer.rundir import Busy
     from transformer.sweep import SweepError, print_commands, relative, run_sweep
 
     if args.parallel < 1:
@@ -136,6 +140,8 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
         outcome = run_sweep(sweep, workdir, args.parallel)
     except SweepError as e:
         _fail("train.py", f"config: {e}")
+    except Busy as e:  # another sweep runs in this directory
+        _fail("train.py", str(e))
     if not outcome.interrupted:  # an interrupted sweep is compared once a rerun has finished it
         from transformer.render import write_report
 

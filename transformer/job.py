@@ -4,7 +4,8 @@ changes), training, checkpoints, and a one-line summary."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -21,9 +22,39 @@ from transformer.trainer import Trainer, TrainState
 
 
 def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
-    """The `train.py` job: resume checks, data, the resolved config, training, checkpoints, and a summary."""
+    """The `train.py` job: resume checks, data, the resolved config, training, checkpoints, and a summary.
+    The run directory is locked for the job's life (rundir.Busy when another process writes it)."""
+    sharding.check_platform(cfg)  # refuse an impossible mesh, dtype, attention or size before any work
+    with writer_lock(workdir):
+        return _run(cfg, workdir, log)
+
+
+@contextlib.contextmanager
+def writer_lock(workdir: Path) -> Iterator[None]:
+    """One writer per run directory: process 0 (the one that writes) locks it; the other processes
+    of the same run learn from process 0 whether it could, so that all of them stop together."""
+    lock = rundir.RunLock(workdir)
+    busy = None
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except rundir.Busy as e:
+            busy = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        if not int(multihost_utils.broadcast_one_to_all(np.int32(busy is None))) and busy is None:
+            busy = rundir.Busy(f"{workdir} is in use by another run (process 0 could not lock it)")
+    if busy is not None:
+        raise busy
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _run(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult:
     lead = jax.process_index() == 0
-    sharding.mesh_shape(cfg, jax.device_count())  # refuse an impossible mesh before any work
     changes = resume_changes(cfg, workdir)
     ckpt_dir = workdir / rundir.CHECKPOINTS
     check_writable(ckpt_dir)
@@ -57,11 +88,18 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
 
 
 def resume_changes(cfg: Config, workdir: Path) -> list[str] | None:
-    """None for a fresh run; for a resumed one, the safe config changes since it was saved. A
-    ConfigError if the changes alter what was trained, or the directory holds a run that cannot resume."""
+    """None for a fresh run (or one started over: see `restart`); for a resumed one, the safe config
+    changes since it was saved. A ConfigError if the changes alter what was trained, or if a run that
+    never checkpointed was of another config (it may be someone else's: not ours to start over)."""
     if not rundir.has_checkpoints(workdir):
-        if rundir.has_metrics(workdir):
-            raise ConfigError("", f"{workdir} holds a run without checkpoints to resume from; use a new --workdir")
+        if rundir.has_config(workdir):
+            saved = rundir.read_config(workdir)
+            unsafe, _ = config_changes(saved, cfg.with_vocab(saved.model.vocab_size))
+            if unsafe:
+                raise ConfigError(
+                    "",
+                    f"{workdir} holds a run of another config (no checkpoint yet): {'; '.join(unsafe)}; use a new --workdir",
+                )
         return None
     saved = rundir.read_config(workdir)
     unsafe, safe = config_changes(saved, cfg.with_vocab(saved.model.vocab_size))
@@ -81,15 +119,30 @@ def begin(
 ) -> tuple[TrainState | None, dict | None]:
     """Journal what start-up found, and restore the state to resume from (`changes` is None: a
     fresh run). Returns (start state, monitor state), both None for a fresh run."""
-    events = RunWriter(workdir, jax.process_index() == 0, tensorboard=False)
+    lead = jax.process_index() == 0
+    earlier = changes is None and lead and (rundir.has_metrics(workdir) or bool(rundir.read_events(workdir)))
+    events = RunWriter(workdir, lead, tensorboard=False)
     try:
         if leftovers:
             events.event("partial_checkpoint_removed", 0, names=leftovers)
+        if earlier:
+            restart(workdir, events, log)
         if changes is None:
             return None, None
         return resume(cfg, mesh, workdir, checkpointer, events, changes, log)
     finally:
         events.close()
+
+
+def restart(workdir: Path, events: RunWriter, log: Callable[[str], None]) -> None:
+    """Start over a run that ended (killed, preempted, crashed) before its first checkpoint: its
+    metrics belong to a trajectory that is trained again from step 0, so they go, all of them (the
+    rerun's file then reads as an uninterrupted run's); the events stay, with a `restart` to say why."""
+    path = workdir / rundir.METRICS
+    dropped = len(path.read_text().splitlines()) if path.exists() else 0
+    rundir.atomic_write(path, "")
+    events.event("restart", 0, reason="no checkpoint to resume from: starting over", dropped_metrics=dropped)
+    log(f"starting {workdir} over: its previous attempt ended before its first checkpoint")
 
 
 def resume(

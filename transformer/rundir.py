@@ -7,17 +7,22 @@ DIR/
   events.jsonl    one JSON object per event: {"event": "start" | "resume" | "spike" | ..., "step": ...}
   checkpoints/    orbax checkpoints (transformer/checkpoint.py)
   tb/             TensorBoard event files
+  .lock           held (flock) by the one process that writes the run; names its host and pid
 ```
 
 Only `RunWriter` appends to the two journals (process 0 of a run); everything else reads them here.
 A line torn by a crash mid-write is skipped by every reader, and dropped by `truncate_metrics`.
+One process writes a run directory at a time: `RunLock` (taken by train.py's process 0 and by a
+sweep on its own directory) refuses a second writer, naming the first.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +37,7 @@ METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tb"
+LOCK = ".lock"  # a leading dot: no sweep member can be named so (member names never start with ".")
 
 FINAL = ("finished", "stopped")  # statuses whose numbers are final (see run_status)
 
@@ -217,3 +223,85 @@ class RunWriter:
         self.events.close()
         if self.tb is not None:
             self.tb.close()
+
+
+# --- the one writer --------------------------------------------------------------------------------
+
+
+class Busy(Exception):
+    """Another live process writes this directory (exit 2): one writer per run directory."""
+
+
+class RunLock:
+    """An exclusive lock on a run directory, held from `acquire` to `release` (or the process's end).
+
+    flock(2) on DIR/.lock: the kernel drops it when its holder dies, however it dies (SIGKILL, OOM,
+    a lost node's NFS client), so a lock is never stale and nothing needs cleaning. The file says
+    who holds it (host, pid, since), for the refusal; an empty or old content means nothing.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise Busy naming its holder."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Busy(
+                f"{self.directory} is in use by {lock_holder(self.directory) or 'another process'}: one writer "
+                "per run directory; wait for it to end (or stop it), or use another --workdir"
+            ) from None
+        except OSError:  # a file system without locks (some NFS mounts): run unguarded rather than not at all
+            os.close(fd)
+            return
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps(record) + "\n").encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # an empty file: nobody holds it
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_holder(directory: Path) -> str | None:
+    """'pid 123 on host h (since ...)' when a live process holds `directory`'s lock, else None.
+    (It probes by taking the lock for an instant: call it only where no writer may be starting.)"""
+    try:
+        fd = os.open(Path(directory) / LOCK, os.O_RDWR)
+    except OSError:
+        return None  # no lock file: never locked
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _describe_holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
+def _describe_holder(fd: int) -> str:
+    """Who holds the lock, from its file; the holder writes it just after locking, so wait a moment."""
+    for _ in range(20):
+        try:
+            record = json.loads(os.pread(fd, 4096, 0).decode())
+            return f"pid {int(record['pid'])} on host {record['host']} (since {record['since']})"
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            time.sleep(0.05)
+    return "another process"

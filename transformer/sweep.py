@@ -21,8 +21,10 @@ the monitor stopped (a result, not a crash), are not run again; interrupted ones
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import difflib
+import functools
 import itertools
 import json
 import os
@@ -41,15 +43,20 @@ from transformer.config import ROOT, Config, ConfigError, config_changes, flatte
 from transformer.config_loader import all_keys, from_dict, load_raw
 from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from transformer.rundir import FINAL, atomic_write, read_events
+from transformer.signals import PARENT_PID_ENV
 
 SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare")
 MANIFEST = "sweep.json"
 MEMBERS_DIR = "members"  # resolved member configs
 LOGS_DIR = "logs"  # member output when several run at once
-RESERVED = {MEMBERS_DIR, LOGS_DIR, "plots"}  # "plots": the report's figures (transformer/render.py)
+# Names a member's directory cannot take: the sweep's own files beside the members, and the report
+# (transformer/render.py writes report.md, report.html and plots/ into the sweep's directory; the
+# sweep cannot import it, so the names are repeated here).
+RESERVED = {MANIFEST, MEMBERS_DIR, LOGS_DIR, "plots", "report.md", "report.html"}
 TRAIN_SCRIPT = ROOT / "train.py"
 LR_KEY = "optim.lr"
 POLL_SECONDS = 0.2
+PR_SET_PDEATHSIG = 1  # prctl(2), <linux/prctl.h>
 
 
 class SweepError(ConfigError):
@@ -249,7 +256,11 @@ def _check_name(name: str, assigned: dict, names: dict[str, dict]) -> None:
             f"two members are both named {name!r} ({names[name]} and {assigned}); put the varied keys in the name template",
         )
     if name in RESERVED:
-        raise SweepError("sweep.name", f"{name!r} is reserved for the sweep's own files; rename the member")
+        raise SweepError(
+            "sweep.name", f"member {name!r}: the name is reserved for the sweep's own files; rename the member"
+        )
+    if name.startswith("-"):  # its path would read as an option on train.py's command line
+        raise SweepError("sweep.name", f"member {name!r}: a name cannot start with '-'; rename the member")
 
 
 def _lookup(cfg: Config, assigned: dict) -> Callable[[str], Any]:
@@ -414,7 +425,11 @@ class SweepRunner:
 
     def launch(self, m: Member) -> None:
         """Start one member's train.py, in its own session (so a Ctrl-C reaches only the sweep, which
-        passes it on once, as SIGTERM)."""
+        passes it on once, as SIGTERM), bound to die with the sweep (see `_die_with`). A copy of the
+        member still running from an earlier sweep (killed at once, before its members could stop)
+        is waited for first, never run beside."""
+        if not self.wait_for_earlier_copy(m):
+            return
         out = None
         if self.parallel > 1:  # interleaved progress bars help nobody: each member logs to a file
             (self.workdir / LOGS_DIR).mkdir(exist_ok=True)
@@ -424,11 +439,32 @@ class SweepRunner:
         self.log(f"[{self.done + self.launched}/{len(self.sweep.members)}] {m.name}: {verb}")
         cmd = command(member_config_path(self.workdir, m.name), self.workdir / m.name, sys.executable)
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=self.env, start_new_session=True
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            env={**self.env, PARENT_PID_ENV: str(os.getpid())},
+            start_new_session=True,
+            preexec_fn=functools.partial(_die_with, os.getpid(), _prctl()),
         )
         if out is not None:
             out.close()
         self.running[m.name] = (m, proc, time.monotonic())
+
+    def wait_for_earlier_copy(self, m: Member) -> bool:
+        """Wait while another process (an orphan of a killed sweep) holds member `m`'s run directory.
+        False when `m` is not to be launched: the sweep was signalled, or the copy finished it."""
+        holder = rundir.lock_holder(self.workdir / m.name)
+        if holder is None:
+            return True
+        self.log(f"  {m.name}: waiting for {holder}, which still runs it (left by an earlier sweep)")
+        while rundir.lock_holder(self.workdir / m.name) is not None and not self.signals:
+            time.sleep(POLL_SECONDS)
+            self.poll()
+        self.statuses[m.name] = rundir.status(self.workdir / m.name, m.config.train.steps)
+        if self.statuses[m.name] in FINAL:
+            self.done += 1
+            self.log(f"  {m.name}: {self.statuses[m.name]} (by that copy){_summary(self.workdir / m.name)}")
+        return not self.signals and self.statuses[m.name] not in FINAL
 
     def poll(self) -> None:
         """Collect the members that have exited."""
@@ -457,8 +493,28 @@ class SweepRunner:
 
 def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str], None] = print) -> SweepOutcome:
     """Prepare the sweep in `workdir` and run its unfinished members, `parallel` at a time (see
-    SweepRunner). The report is not written here: `transformer.render.write_report` does that."""
-    return SweepRunner(sweep, workdir, prepare(sweep, workdir), parallel, log).run()
+    SweepRunner). The report is not written here: `transformer.render.write_report` does that.
+    One sweep at a time runs in a directory: rundir.Busy names the one already running there."""
+    with rundir.RunLock(workdir):
+        return SweepRunner(sweep, workdir, prepare(sweep, workdir), parallel, log).run()
+
+
+def _prctl() -> Callable[..., int] | None:
+    """Linux's prctl(2), looked up before the fork (a child between fork and exec should do little)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the member's watchdog thread (signals.py) stands in
+        return None
+
+
+def _die_with(sweep_pid: int, prctl: Callable[..., int] | None) -> None:
+    """In a member, between fork and exec: have the kernel send it SIGTERM when the sweep dies, even
+    by SIGKILL (it then checkpoints and exits 75, as on a Ctrl-C passed on), so that no member
+    outlives its sweep to run beside the copy a rerun starts. If the sweep is gone already, now."""
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != sweep_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _summary(workdir: Path) -> str:

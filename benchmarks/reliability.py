@@ -1,0 +1,152 @@
+"""Kills at random moments: does running the same command again always end as an uninterrupted run?
+
+    python benchmarks/reliability.py [--trials 8] [--seed 0] [--workdir DIR]
+
+Trains a tiny model once without interruption (the reference), then, per trial, starts the same
+`train.py` command in a fresh directory, SIGKILLs it at a random moment and runs the command again
+(as often as it asks: exit 75 means "run it again"). A trial holds when the rerun exits 0 with
+bitwise the reference's final parameters and the reference's metrics file (timings aside). Even
+trials pick the moment over the whole life of the process (start-up, compile, training, saving),
+odd ones over its training phase alone (from the `start` event on), where the saves are. Prints one
+line per trial (the moment and what the kill left on disk), then {"trials": N, "held": K}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformer import rundir
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = [
+    "data.source=builtin:recall:train_docs=400,val_docs=40",
+    "data.seq_len=32",
+    "data.val_windows=4",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.ffn_multiple=16",
+    "train.batch_size=8",
+    "train.steps=120",
+    "train.eval_every=40",
+    "optim.warmup_steps=5",
+    "checkpoint.every=20",
+    "checkpoint.async=true",
+    "logging.every=1",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+TIMING = {"step_time", "tokens_per_s", "tflops_per_device", "mfu"}  # wall-clock figures differ run to run
+
+
+def train(workdir: Path, cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    argv = [sys.executable, "train.py", *CONFIG, f"data.cache_dir={cache}", "--workdir", str(workdir)]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def reference(workdir: Path, cache: Path) -> tuple[float, float]:
+    """Run the reference; returns (seconds to its `start` event, seconds in all)."""
+    began = time.monotonic()
+    proc = train(workdir, cache)
+    started = None
+    while proc.poll() is None:
+        if started is None and rundir.read_events(workdir, "start"):
+            started = time.monotonic() - began
+        time.sleep(0.01)
+    if proc.returncode != 0:
+        raise SystemExit(f"the reference run failed (exit {proc.returncode}): {proc.stderr.read()[-2000:]}")
+    total = time.monotonic() - began
+    return started if started is not None else total / 2, total
+
+
+def left_behind(workdir: Path) -> str:
+    """What a kill left: how far the run got, in words."""
+    directory = workdir / rundir.CHECKPOINTS
+    names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    done = sorted(int(n) for n in names if n.isdigit())
+    partial = any("tmp" in n for n in names)
+    if not rundir.read_events(workdir, "start"):
+        return "starting up (no start event)"
+    if not done:
+        return "before the first checkpoint" + (" (first save under way)" if partial else "")
+    return f"after checkpoint {done[-1]}" + (" (a save under way)" if partial else "")
+
+
+def rerun(workdir: Path, cache: Path) -> int:
+    """The same command until it no longer asks to be run again (exit 75); its last exit code."""
+    for _ in range(5):
+        proc = train(workdir, cache)
+        _, err = proc.communicate()
+        if proc.returncode != 75:
+            if proc.returncode != 0:
+                print(f"    rerun exit {proc.returncode}: {err.strip().splitlines()[-1:] or ''}")
+            return proc.returncode
+    return 75
+
+
+def trajectory(workdir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rundir.read_metrics(workdir)]
+
+
+def same_run(workdir: Path, ref: Path) -> bool:
+    """Bitwise the same final parameters and the same metrics (timings aside)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from transformer.checkpoint import load
+
+    leaves = [jax.tree.leaves(nnx.to_pure_dict(nnx.state(load(w)[1]))) for w in (workdir, ref)]
+    same_params = len(leaves[0]) == len(leaves[1]) and all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*leaves)
+    )
+    return same_params and trajectory(workdir) == trajectory(ref)
+
+
+def trial(i: int, rng: random.Random, root: Path, cache: Path, started: float, total: float) -> bool:
+    """Kill one run at a random moment, run it again, compare with the reference."""
+    workdir = root / f"trial-{i}"
+    delay = rng.uniform(0, total) if i % 2 == 0 else rng.uniform(started, total)
+    proc = train(workdir, cache)
+    time.sleep(delay)
+    killed = proc.poll() is None
+    if killed:
+        proc.kill()
+    proc.wait()
+    moment = left_behind(workdir) if killed else "never: it had finished"
+    rc = rerun(workdir, cache)
+    held = rc == 0 and same_run(workdir, root / "reference")
+    print(
+        f"trial {i}: killed at {delay:5.2f} s, {moment}; rerun exit {rc}; {'held' if held else 'NOT HELD'}", flush=True
+    )
+    return held
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="where the runs go (default: a temporary directory)")
+    args = p.parse_args()
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="reliability-"))
+    cache = root / "cache"
+    started, total = reference(root / "reference", cache)
+    print(f"reference: {total:.1f} s, training from {started:.1f} s", flush=True)
+    rng = random.Random(args.seed)
+    held = sum(trial(i, rng, root, cache, started, total) for i in range(args.trials))
+    print(json.dumps({"trials": args.trials, "held": held}))
+
+
+if __name__ == "__main__":
+    main()
