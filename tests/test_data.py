@@ -798,6 +798,56 @@ def test_an_unreachable_hub_suggests_files_too(monkeypatch):
     assert message.startswith("data.source:") and "offline" in message and "files:" in message
 
 
+def _no_network(monkeypatch) -> list[bool]:
+    """A machine without network: every connection fails. Returns, per load_dataset call, whether the hub
+    libraries were in offline mode (the local cache only) at the time."""
+    import datasets
+    from huggingface_hub import constants
+
+    def refused(*a, **k):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(D.socket, "create_connection", refused)
+    monkeypatch.setattr(D.urllib.request, "getproxies", lambda: {})
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    offline_at_call: list[bool] = []
+
+    def load(*a, **k):
+        offline_at_call.append(constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE)
+        if not offline_at_call[-1]:  # what the hub client would retry for ~25 s
+            raise ConnectionError("Couldn't reach 'someone/thing' on the Hub (LocalEntryNotFoundError)")
+        raise FileNotFoundError("Couldn't find cache for someone/thing")
+
+    monkeypatch.setattr(datasets, "load_dataset", load)
+    return offline_at_call
+
+
+def test_no_network_asks_only_the_local_cache_and_says_how_to_work_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    offline_at_call = _no_network(monkeypatch)
+    message = one_line_error(D.load_splits, DataConfig(source="hf:someone/thing"))
+    assert offline_at_call == [True]  # never online: no retries against a network that is not there
+    assert not constants.HF_HUB_OFFLINE  # offline mode was for that one call
+    assert message.startswith("data.source:") and "cannot reach the Hugging Face hub" in message
+    assert "Network is unreachable" in message and "files:" in message and "save_to_disk" in message
+
+
+def test_no_network_with_a_cached_copy_of_the_dataset(monkeypatch):
+    import datasets
+
+    _no_network(monkeypatch)
+    cached = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": make_docs(20)}),
+            "validation": datasets.Dataset.from_dict({"text": make_docs(3)}),
+        }
+    )
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: cached)
+    assert len(D.load_splits(DataConfig(source="hf:someone/cached"))["train"]) == 20
+
+
 # --- the built-in corpus -------------------------------------------------------------------------
 
 
@@ -890,3 +940,123 @@ def test_bad_builtin_sources_are_config_errors(source, words):
     with pytest.raises(ConfigError) as e:
         DataConfig(source=source)
     assert e.value.key == "source" and words in str(e.value), str(e.value)
+
+
+# --- reliability (issue 18): cache directory, permissions, rows without text, quiet errors --------
+
+
+def test_a_cache_dir_that_is_a_file_or_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "src" / "a.jsonl", make_docs(40))
+    source = f"files:{tmp_path / 'src'}"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for cache in (blocker, blocker / "below"):
+        message = one_line_error(D.prepare, config(source, cache, val_fraction=0.2), 4, 0, log=quiet())
+        assert message.startswith("data.cache_dir:") and str(cache) in message
+
+    def read_only(*a, **k):  # what a read-only directory does to a non-root user (root may write anyway)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(D.tempfile, "mkstemp", read_only)
+    message = one_line_error(D.prepare, config(source, tmp_path / "ro", val_fraction=0.2), 4, 0, log=quiet())
+    assert message.startswith("data.cache_dir:") and "ro" in message and "not writable" in message
+
+
+def test_a_read_only_cache_dir_holding_a_complete_cache_is_used(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "src" / "a.jsonl", make_docs(40))
+    cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache", val_fraction=0.2)
+    D.prepare(cfg, 4, 0, log=quiet())
+
+    def read_only(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(D.tempfile, "mkstemp", read_only)
+    assert D.prepare(cfg, 4, 0, log=quiet()).train.count >= 4  # a shared, pre-built cache needs no writes
+
+
+def _deny(monkeypatch, blocked: Path):
+    """Reads of `blocked` fail as they do for a non-root user after chmod 000 (root is never denied)."""
+    real = os.scandir
+
+    def scandir(path="."):
+        if Path(os.fsdecode(path)).resolve() == blocked.resolve():
+            raise PermissionError(13, "Permission denied", os.fsdecode(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+@pytest.mark.parametrize("pattern", ["{d}", "{d}/*.jsonl", "{d}/**/*.jsonl", "{top}/**/*.jsonl"])
+def test_an_unreadable_directory_is_permission_denied_not_no_file(tmp_path, monkeypatch, pattern):
+    blocked = tmp_path / "top" / "locked"
+    write_jsonl(blocked / "a.jsonl", make_docs(20))
+    _deny(monkeypatch, blocked)
+    source = "files:" + pattern.format(d=blocked, top=tmp_path / "top")
+    message = one_line_error(D.prepare, config(source, tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.source:") and "permission denied" in message and str(blocked) in message
+
+
+def test_an_unreadable_subdirectory_of_a_directory_source_is_not_skipped(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "src" / "a.jsonl", make_docs(20))
+    write_jsonl(tmp_path / "src" / "more" / "b.jsonl", make_docs(20, seed=1))
+    _deny(monkeypatch, tmp_path / "src" / "more")
+    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'src'}", tmp_path / "cache"))
+    assert "permission denied" in message and str(tmp_path / "src" / "more") in message
+
+
+def _rows(path: Path, rows: list[dict]) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"files:{path}"
+
+
+def test_rows_without_text_are_dropped_and_reported(tmp_path):
+    docs = make_docs(40)
+    rows = [{"id": i} if i % 10 == 0 else {"text": None} if i % 10 == 5 else {"text": d} for i, d in enumerate(docs)]
+    cfg = config(_rows(tmp_path / "src", rows), tmp_path / "cache", val_fraction=0.2)
+    splits = D.load_splits(cfg)
+    kept = [d for i, d in enumerate(docs) if i % 5]
+    assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(kept)  # no empty documents
+    for _ in range(2):  # reported when the cache is built and when it is reused
+        messages: list[str] = []
+        D.prepare(cfg, 4, 0, log=quiet(messages))
+        (line,) = [m for m in messages if "without text" in m]
+        assert "8 of 40 rows" in line and "'text'" in line and "data.text_field" in line
+
+
+def test_mostly_missing_text_is_refused_naming_the_field(tmp_path):
+    rows = [{"text": d} if i % 4 == 0 else {"body": d} for i, d in enumerate(make_docs(40))]
+    message = one_line_error(D.load_splits, config(_rows(tmp_path / "src", rows), tmp_path / "cache"))
+    assert message.startswith("data.text_field:") and "'text'" in message and "30 of 40 rows" in message
+
+
+@pytest.mark.parametrize("values", [[5, 6.5, 7], [5, "a text", None]], ids=["numbers", "mixed"])
+def test_numbers_in_the_text_field_are_refused(tmp_path, values):
+    rows = [{"text": values[i % len(values)]} for i in range(30)]
+    message = one_line_error(D.load_splits, config(_rows(tmp_path / "src", rows), tmp_path / "cache"))
+    assert message.startswith("data.text_field:") and "'text'" in message and "not text" in message
+    assert f"{30 if values[1] == 6.5 else 10} of 30 rows" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_a_files_error_is_one_stderr_line(tmp_path, kind):
+    """datasets' progress bars and schema warnings must not add lines to train.py's one-line error."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    if kind == "parquet":
+        (bad / "a.parquet").write_bytes(b"this is not a parquet file" * 10)
+    else:  # read for a while, then a broken line: the progress bar has been drawn by then
+        (bad / "a.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + "{broken\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_CACHE=str(tmp_path / "hf"))
+    out = subprocess.run(
+        [sys.executable, "train.py", f"data.source=files:{bad}", f"data.cache_dir={tmp_path / 'cache'}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.source:" in lines[0] and "cannot read" in lines[0], out.stderr

@@ -12,6 +12,7 @@ Layout of a token cache (one directory per hash of source, tokenizer and split r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob as globlib
@@ -19,8 +20,13 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import sysconfig
+import tempfile
+import threading
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +39,16 @@ from transformer.rundir import atomic_write
 from transformer.synthetic import RecallTask
 from transformer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_pretrained, train_bpe
 
-CACHE_VERSION = 1
+# 2: rows without text are left out (version 1 kept them as empty documents)
+CACHE_VERSION = 2
 TOKENIZER_FILE = "tokenizer.json"
 BPE_TRAIN_BYTES = 64 << 20  # a BPE is trained on at most this much of the training split
+# More rows than this without text (missing or null) is the wrong data.text_field, not a few gaps.
+MAX_MISSING_TEXT = 0.5
+HUB_PROBE_SECONDS = 3.0  # how long the hub may take to accept a connection before it counts as unreachable
+OFFLINE_HINT = (
+    "to work offline, use data.source=files:PATH with local files or a directory written by datasets' save_to_disk"
+)
 
 
 class DataError(ValueError):
@@ -45,6 +58,62 @@ class DataError(ValueError):
 def default_cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "transformer-ablations" / "tokens"
+
+
+def cache_directory(cfg: DataConfig) -> Path:
+    """data.cache_dir (or the default), created if missing: a file there, or a directory that cannot
+    be created, is one line naming data.cache_dir before any work."""
+    path = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
+    if path.exists() and not path.is_dir():
+        raise DataError(f"data.cache_dir: {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"data.cache_dir: cannot create {path}: {e.strerror or first_line(e)}") from None
+    return path
+
+
+def _check_writable(cache_dir: Path) -> None:
+    """Called before anything is written into the cache (so before tokenising, which takes a while).
+    A probe file rather than os.access, which answers yes to root whatever the mount allows; a
+    read-only cache holding everything a run needs is never probed."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".probe-", dir=cache_dir)
+    except OSError as e:
+        raise DataError(
+            f"data.cache_dir: {cache_dir} is not writable ({e.strerror or first_line(e)}); "
+            "give data.cache_dir a directory this user may write"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """datasets' progress bars and log lines off while a source is read: its errors (logged before
+    they are raised, with bars drawn half-way) would break the one-line rule, and reading local files
+    is quick. Tokenising runs outside and keeps its progress bar; the caller's settings come back."""
+    import datasets
+    from datasets.utils import logging as datasets_logging
+
+    bars, level = datasets.is_progress_bar_enabled(), datasets_logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of `e`, followed by that of its root cause when datasets wrapped one."""
+    root = e
+    while root.__cause__ is not None or root.__context__ is not None:
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    top, bottom = first_line(e), first_line(root)
+    return top if root is e or bottom in top else f"{top}: {bottom}"
 
 
 # --- sources -------------------------------------------------------------------------------------
@@ -61,6 +130,37 @@ def _glob_files(pattern: str) -> list[Path]:
     return sorted(Path(p) for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file())
 
 
+def _raise_denied(e: OSError) -> None:
+    if isinstance(e, PermissionError):
+        raise e  # other errors (a directory removed while walking) leave a gap, as glob does
+
+
+def _walk_files(root: Path) -> list[Path]:
+    """Every file under `root`. A directory that cannot be read is an error, not a silent gap."""
+    files: list[Path] = []
+    for dirpath, _, names in os.walk(root, onerror=_raise_denied, followlinks=True):
+        files += [Path(dirpath) / name for name in names]
+    return sorted(f for f in files if f.is_file())
+
+
+def _denied_directory(pattern: str) -> str | None:
+    """The first directory a glob would have read and may not (glob skips them silently), or None.
+    Walks only as deep as the pattern reaches, from its literal prefix."""
+    parts = Path(os.path.expanduser(pattern)).parts
+    literal = next((i for i, part in enumerate(parts) if globlib.has_magic(part)), len(parts))
+    root = Path(*parts[:literal]) if literal else Path(".")
+    if literal == len(parts):  # no wildcard: only the path's own directory is read
+        root = root.parent
+    depth = None if "**" in parts else max(0, len(parts) - literal - 1)
+    try:
+        for dirpath, dirnames, _ in os.walk(root, onerror=_raise_denied):
+            if depth is not None and len(Path(dirpath).relative_to(root).parts) >= depth:
+                dirnames.clear()
+    except PermissionError as e:
+        return str(e.filename)
+    return None
+
+
 def _files_fingerprint(files: list[Path], root: Path | None = None) -> str:
     h = hashlib.sha256()
     for p in files:
@@ -72,8 +172,14 @@ def _files_fingerprint(files: list[Path], root: Path | None = None) -> str:
 def _source_files(source: DataSource) -> list[Path]:
     """The files a files: source names: every file under a directory, or those its glob matches."""
     path = Path(os.path.expanduser(source.glob))
-    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else _glob_files(source.glob)
+    try:
+        files = _walk_files(path) if path.is_dir() else _glob_files(source.glob)
+    except PermissionError as e:
+        raise DataError(f"data.source: {source.text}: permission denied reading the directory {e.filename}") from None
     if not files:
+        denied = _denied_directory(source.glob)
+        if denied is not None:
+            raise DataError(f"data.source: {source.text}: permission denied reading the directory {denied}")
         raise DataError(f"data.source: {source.text} matches no file")
     return files
 
@@ -116,9 +222,10 @@ def _documents_from_files(cfg: DataConfig, source: DataSource):
     path = Path(os.path.expanduser(source.glob))
     if path.is_dir() and any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):
         try:
-            return datasets.load_from_disk(str(path))
+            with _quiet_datasets():
+                return datasets.load_from_disk(str(path))
         except Exception as e:  # damaged, or a layout this datasets version cannot read back
-            raise DataError(f"data.source: cannot read {source.text}: {first_line(e)}") from None
+            raise DataError(f"data.source: cannot read {source.text}: {_reason(e)}") from None
     files = _source_files(source)
     if all(f.stat().st_size == 0 for f in files):
         raise DataError(f"data.source: {source.text} is empty ({len(files)} file(s), 0 bytes)")
@@ -133,21 +240,73 @@ def _documents_from_files(cfg: DataConfig, source: DataSource):
     (builder,) = kinds
     options = dict(sample_by="document", encoding_errors="replace") if builder == "text" else {}
     try:
-        return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, **options)
+        with _quiet_datasets():
+            return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, **options)
     except Exception as e:
-        raise DataError(f"data.source: cannot read {source.text}: {first_line(e)}") from None
+        raise DataError(f"data.source: cannot read {source.text}: {_reason(e)}") from None
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, from one connection attempt of at most HUB_PROBE_SECONDS, or
+    None. Without it, a machine with no network spends ~25 s in the hub client's retries, each one a
+    line on stderr. Not probed in offline mode (the libraries then fail at once) or behind a proxy
+    (a direct connection proves nothing there)."""
+    from huggingface_hub import constants
+
+    proxies = urllib.request.getproxies()
+    if constants.HF_HUB_OFFLINE or "https" in proxies or "all" in proxies:
+        return None
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(f"{host}:{port}: {e.strerror or first_line(e)}")
+
+    # a thread, because name resolution has no timeout of its own
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_SECONDS)
+    return outcome[0] if outcome else f"{host}:{port}: no answer within {HUB_PROBE_SECONDS:g} s"
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    """The hub libraries in offline mode (what HF_HUB_OFFLINE=1 sets at import): the local cache only."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved
 
 
 def _documents_from_hub(source: DataSource):
     import datasets
 
+    unreachable = _hub_unreachable()
     try:
-        return datasets.load_dataset(source.name, source.config)
+        if unreachable is None:
+            return datasets.load_dataset(source.name, source.config)
+        with _hub_offline(), _quiet_datasets():  # a copy in the local cache serves; else one line below
+            return datasets.load_dataset(source.name, source.config)
     except Exception as e:
+        if unreachable is not None:
+            raise DataError(
+                f"data.source: cannot reach the Hugging Face hub for {source.name} ({unreachable}) and it is not "
+                f"in the local cache; {OFFLINE_HINT}"
+            ) from None
         text = first_line(e)
         words = ("offline", "connection", "resolve", "internet", "network")
         offline = isinstance(e, ConnectionError) or any(w in text.lower() for w in words)  # "Couldn't reach"
-        hint = " (offline?); download it where the hub is reachable, save it, and use files:PATH" if offline else ""
+        hint = f" (offline?); {OFFLINE_HINT}" if offline else ""
         raise DataError(f"data.source: cannot load {source.name} from the Hugging Face hub{hint}: {text}") from None
 
 
@@ -168,13 +327,53 @@ def _hash_fraction(text: str) -> float:
 
 
 def load_splits(cfg: DataConfig) -> dict:
-    """{'train': Dataset, 'val': Dataset}, each with the text in column cfg.text_field."""
+    """{'train': Dataset, 'val': Dataset}, each with the text in column cfg.text_field; rows without
+    text (missing or null) are left out (see `rows_without_text`)."""
+    return _loaded(cfg)[0]
+
+
+def rows_without_text(cfg: DataConfig) -> tuple[int, int]:
+    """(rows left out for having no text, rows the source holds)."""
+    return _loaded(cfg)[1]
+
+
+def _loaded(cfg: DataConfig) -> tuple[dict, tuple[int, int]]:
     # keyed by the files' fingerprint too: edited files are read again, not served from memory
     return _load_splits(cfg, source_fingerprint(cfg) if cfg.source_spec.kind == "files" else "")
 
 
+def _text_rows(cfg: DataConfig, split, name: str):
+    """`split` without its rows that have no text, and how many went. A value that is not text (a
+    number) is refused rather than turned into text, and so is a field mostly missing: both say
+    that data.text_field names the wrong column."""
+    import pyarrow as pa
+
+    field, total = cfg.text_field, len(split)
+    column = split.with_format("arrow")[field]
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        missing, not_text = column.null_count, 0
+        keep = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False)) if missing else None
+    else:  # numbers, nothing at all, or values of several kinds (datasets' Json feature): look at each
+        values = split[field]
+        missing = sum(v is None for v in values)
+        not_text = sum(v is not None and not isinstance(v, str) for v in values)
+        keep = np.asarray([i for i, v in enumerate(values) if isinstance(v, str)], np.int64)
+    where = f"of the {name} split of {cfg.source}"
+    if not_text:
+        raise DataError(
+            f"data.text_field: {field!r} holds values that are not text (numbers or other values) in {not_text} "
+            f"of {total} rows {where}; make them strings in the source, or name the text column in data.text_field"
+        )
+    if missing > MAX_MISSING_TEXT * total:
+        raise DataError(
+            f"data.text_field: {field!r} is missing or null in {missing} of {total} rows {where}; is it the "
+            f"column that holds the text? (columns: {', '.join(split.column_names)})"
+        )
+    return (split if keep is None or len(keep) == total else split.select(keep)), missing
+
+
 @functools.lru_cache(maxsize=4)
-def _load_splits(cfg: DataConfig, fingerprint: str) -> dict:
+def _load_splits(cfg: DataConfig, fingerprint: str) -> tuple[dict, tuple[int, int]]:
     import datasets
 
     loaded = _documents(cfg)
@@ -188,13 +387,16 @@ def _load_splits(cfg: DataConfig, fingerprint: str) -> dict:
             f"data.text_field: {cfg.text_field!r} is not a column of {cfg.source} "
             f"(columns: {', '.join(train.column_names)})"
         )
+    rows = len(train)
+    train, dropped = _text_rows(cfg, train, cfg.train_split)
     if cfg.val_split in loaded:
-        val = loaded[cfg.val_split]
+        val, dropped_val = _text_rows(cfg, loaded[cfg.val_split], cfg.val_split)
+        rows, dropped = rows + len(loaded[cfg.val_split]), dropped + dropped_val
         _check_splits(cfg, train, val, hashed=False)
     else:
         train, val = _hash_split(cfg, train)
         _check_splits(cfg, train, val, hashed=True)
-    return {"train": train, "val": val}
+    return {"train": train, "val": val}, (dropped, rows)
 
 
 def _hash_split(cfg: DataConfig, train):
@@ -241,6 +443,7 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> To
         if saved.is_file():
             tok = HFTokenizer(saved.read_text())
         else:
+            _check_writable(cache_dir)
             texts = load_splits(cfg)["train"][cfg.text_field]
             try:
                 tok = train_bpe(_prefix(texts, BPE_TRAIN_BYTES), cfg.vocab_size)
@@ -317,6 +520,7 @@ def build_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path, log: Cal
     if _is_complete(final):
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
+    _check_writable(cache_dir)
     _clean_partials(cache_dir, key)
     if final.exists():  # incomplete or damaged: never trust it
         shutil.rmtree(final, ignore_errors=True)
@@ -335,6 +539,7 @@ def build_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path, log: Cal
     try:
         for name, split in load_splits(cfg).items():
             meta[name] = _tokenise_split(split, cfg.text_field, tokenizer, dtype, partial / f"{name}.bin")
+        meta["rows_without_text"], meta["rows"] = rows_without_text(cfg)
         (partial / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(partial, final)
@@ -480,10 +685,15 @@ def prepare(
     cfg: DataConfig, batch_size: int, seed: int, workdir: Path | None = None, log: Callable[[str], None] = print
 ) -> Data:
     """Load (or build) the token cache for `cfg` and set up deterministic train and val batches."""
-    cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
+    cache_dir = cache_directory(cfg)
     tokenizer = make_tokenizer(cfg, workdir, cache_dir)
     path = build_cache(cfg, tokenizer, cache_dir, log)
     meta = json.loads((path / "meta.json").read_text())
+    if meta.get("rows_without_text"):
+        log(
+            f"data: {meta['rows_without_text']:,} of {meta['rows']:,} rows of {cfg.source} are without text in "
+            f"data.text_field {cfg.text_field!r} (missing or null): left out"
+        )
     dtype = np.dtype(meta["dtype"])
     streams = {s: np.memmap(path / f"{s}.bin", dtype=dtype, mode="r") for s in ("train", "val")}
     train = Windows(streams["train"], cfg.seq_len, tokenizer.eos_id, cfg.document_mask)
