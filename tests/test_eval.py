@@ -141,3 +141,92 @@ def test_eval_cli_end_to_end(trained):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("step 20 on files:") and "bits per byte" in out.stdout
+
+
+# --- bad input that needs no trained run (issue 18) ----------------------------------------------
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory holding only its config.yaml: every refusal below comes before a checkpoint is read."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    cfg = load_config(None, ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "data.seq_len=32"])
+    (workdir / "config.yaml").write_text(cfg.with_vocab(259).to_yaml())
+    return workdir
+
+
+DAMAGED_CONFIGS = {
+    "not-utf8": b"\xff\xfe\x00 garbage",
+    "invalid-yaml": b"model: {d_model: [\n",
+    "a-list": b"- 1\n- 2\n",
+    "empty": b"",
+    "a-bad-value": b"model:\n  d_model: -5\n",
+}
+
+
+@pytest.mark.parametrize("content", DAMAGED_CONFIGS.values(), ids=DAMAGED_CONFIGS.keys())
+def test_a_damaged_config_yaml_is_one_line_naming_it(run_dir, capsys, content):
+    (run_dir / "config.yaml").write_bytes(content)
+    expect_usage_error(capsys, ["--workdir", str(run_dir)], str(run_dir / "config.yaml"))
+
+
+@pytest.mark.parametrize("content", DAMAGED_CONFIGS.values(), ids=DAMAGED_CONFIGS.keys())
+def test_train_on_a_run_with_a_damaged_config_yaml_is_one_line(run_dir, capsys, content):
+    from transformer.cli import train_main
+
+    (run_dir / "config.yaml").write_bytes(content)
+    (run_dir / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit) as e:
+        train_main(["--workdir", str(run_dir), "model.d_model=32", "model.n_layers=2", "model.n_heads=4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(run_dir / "config.yaml") in err[0], err
+
+
+@pytest.mark.parametrize("override", ["model.d_model=64", "model.n_layers=3", "model.vocab_size=1024"])
+def test_overrides_that_change_parameter_shapes_are_refused_naming_the_key(run_dir, capsys, override):
+    key = override.partition("=")[0]
+    expect_usage_error(capsys, ["--workdir", str(run_dir), override], key)
+
+
+@pytest.mark.parametrize(
+    "override",
+    # model.ffn_multiple=32 keeps the shapes: the saved config holds d_ff itself, resolved at training
+    [
+        "data.val_fraction=0.2",
+        "mesh.data=1",
+        "model.remat=full",
+        "model.attention_impl=einsum",
+        "model.ffn_multiple=32",
+    ],
+)
+def test_overrides_that_keep_parameter_shapes_pass_the_check(run_dir, override):
+    from transformer.evaluate import run_config
+
+    assert run_config(run_dir, [override]) is not None
+
+
+def test_a_prompts_file_that_is_not_utf8_is_one_line(run_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"caf\xe9\n")
+    expect_usage_error(capsys, ["--workdir", str(run_dir), "--prompts", str(prompts)], "--prompts")
+
+
+def test_a_prompt_the_bpe_cannot_take_is_one_line_naming_it():
+    from transformer.config import ConfigError
+    from transformer.evaluate import encode_prompts
+    from transformer.tokenizer import train_bpe
+
+    tok = train_bpe(iter(["hello world, a few words of text"] * 20), 300)
+    bad = b"caf\xff".decode("utf-8", errors="surrogateescape")  # what argv holds for undecodable bytes
+    with pytest.raises(ConfigError) as info:
+        encode_prompts(tok, ["hello", bad])
+    assert str(info.value).startswith("--generate:") and repr(bad) in str(info.value)
+    assert encode_prompts(tok, ["hello"]) == [list(tok.encode_batch(["hello"])[0])]
+
+
+@pytest.mark.slow
+def test_a_shape_override_on_a_trained_run_is_one_line_not_an_orbax_traceback(trained, capsys):
+    workdir, _ = trained
+    expect_usage_error(capsys, ["--workdir", str(workdir), "model.d_model=64"], "model.d_model")

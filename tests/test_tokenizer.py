@@ -111,3 +111,14 @@ def test_a_missing_tokenizer_file(tmp_path):
     for missing in (tmp_path / "nope.json", tmp_path):  # a directory without tokenizer.json, too
         with pytest.raises(TokenizerError, match=r"data\.tokenizer: no tokenizer\.json"):
             load_pretrained(str(missing))
+
+
+def test_text_a_bpe_cannot_take_is_a_tokenizer_error_naming_it():
+    """A lone surrogate (undecodable bytes kept by surrogateescape, e.g. from argv) makes the library
+    raise a bare TypeError; it becomes a one-line TokenizerError naming the text."""
+    tok = train_bpe(iter(TEXTS), 300)
+    bad = b"caf\xff".decode("utf-8", errors="surrogateescape")
+    with pytest.raises(TokenizerError) as info:
+        tok.encode_batch(["fine", bad])
+    message = str(info.value)
+    assert "\n" not in message and repr(bad) in message and "UTF-8" in message

@@ -238,9 +238,11 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.generate)
     if args.prompts is not None:
         try:
-            prompts += [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+            prompts += [line for line in Path(args.prompts).read_text("utf-8").splitlines() if line.strip()]
         except OSError as e:
             _fail("eval.py", f"--prompts: cannot read {args.prompts}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            _fail("eval.py", f"--prompts: {args.prompts} is not UTF-8 text (byte {e.start}); save it as UTF-8")
     return prompts
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
+
 from transformer import rundir, sharding
 from transformer.checkpoint import Checkpointer
-from transformer.config import Config, ConfigError
+from transformer.config import SAFE_ON_RESUME, Config, ConfigError, config_changes
 from transformer.config_loader import apply_overrides, from_dict
 from transformer.data import Data, prepare
 from transformer.generate import SamplingConfig, generate
+from transformer.tokenizer import Tokenizer, TokenizerError
 from transformer.trainer import Trainer
 
 
@@ -18,15 +21,54 @@ def run_config(workdir: Path, overrides: list[str]) -> Config:
     """The run's resolved config, with overrides (another dataset, another mesh) applied."""
     if not rundir.has_config(workdir):
         raise ConfigError("--workdir", f"{workdir} holds no run (no {rundir.CONFIG})")
-    return from_dict(apply_overrides(rundir.read_config(workdir).to_dict(), overrides))
+    saved = rundir.read_config(workdir)
+    cfg = from_dict(apply_overrides(saved.to_dict(), overrides))
+    check_parameter_shapes(saved, cfg)
+    return cfg
+
+
+def check_parameter_shapes(saved: Config, cfg: Config) -> None:
+    """Refuse overrides that change the shapes of the trained parameters (model.d_model, ...), naming
+    the keys, before the checkpoint is read (orbax's own complaint is a 100-line traceback). data.*
+    and mesh.* overrides, and the model keys a resume may change, are what eval.py is for; any other
+    model key passes when the parameters keep their shapes (model.attention_impl, model.dtype)."""
+    from flax import nnx
+
+    from transformer.model.summary import abstract_model
+
+    unsafe, _ = config_changes(saved, cfg)
+    keys = [line.partition(":")[0] for line in unsafe if line.startswith("model.")]
+    keys = [key for key in keys if not key.startswith(SAFE_ON_RESUME)]
+    if not keys:
+        return
+
+    def shapes(c: Config) -> dict:
+        params = nnx.state(abstract_model(c.model), nnx.Param)
+        return {path: leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+    if shapes(saved) != shapes(cfg):
+        changes = "; ".join(line for line in unsafe if line.partition(":")[0] in keys)
+        raise ConfigError(
+            ", ".join(keys),
+            f"would change the shapes of the run's trained parameters ({changes}); eval.py may override "
+            "data.*, mesh.* and model keys that keep the parameters' shapes",
+        )
+
+
+def note(message: str) -> None:
+    """A line for the user on stderr (stdout may carry --json): e.g. a damaged checkpoint passed over."""
+    import sys
+
+    print(f"eval.py: {message}", file=sys.stderr)
 
 
 def restore_params(cfg: Config, workdir: Path, step: int | None, trainer: Trainer) -> tuple[int, dict]:
-    """(step, parameters) of a kept checkpoint, placed on the trainer's mesh."""
+    """(step, parameters) of a kept checkpoint, placed on the trainer's mesh. Without `step`, the
+    latest whose parameters are intact: a damaged newer one is passed over, with a `note`; a damaged
+    `step` asked for is a CheckpointError."""
     ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)
     try:
-        step = ckpt.pick(step)
-        return step, ckpt.restore_params(step, trainer.abstract_state().params)
+        return ckpt.restore_params(step, trainer.abstract_state().params, note)
     finally:
         ckpt.close()
 
@@ -73,19 +115,32 @@ def evaluate(
     }
 
 
+def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Each prompt's ids; a prompt the run's tokenizer cannot take (a BPE refuses the lone surrogates
+    that stand for undecodable bytes in argv) is a ConfigError naming it."""
+    try:
+        return [list(ids) for ids in tokenizer.encode_batch(prompts)]
+    except TokenizerError:
+        for text in prompts:
+            try:
+                tokenizer.encode_batch([text])
+            except TokenizerError as e:
+                raise ConfigError("--generate", f"prompt {text[:30]!r}: {e}") from None
+        raise
+
+
 def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: int | None = None) -> list[str]:
     from transformer.checkpoint import load
-    from transformer.data import default_cache_dir, make_tokenizer
+    from transformer.data import cache_directory, make_tokenizer
 
     cfg = run_config(workdir, [])
     ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)
     try:
-        step = ckpt.pick(step)  # before any work: a missing step is a one-line error
+        ckpt.pick(step)  # before any work: a missing step is a one-line error
     finally:
         ckpt.close()
-    cache_dir = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else default_cache_dir()
-    tokenizer = make_tokenizer(cfg.data, workdir, cache_dir)
-    encoded = [list(ids) for ids in tokenizer.encode_batch(prompts)]
+    tokenizer = make_tokenizer(cfg.data, workdir, cache_directory(cfg.data))
+    encoded = encode_prompts(tokenizer, prompts)
     for text, ids in zip(prompts, encoded):
         if not ids:
             raise ConfigError("--generate", "an empty prompt: give at least one character")
@@ -102,6 +157,6 @@ def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: in
                 f"prompt {text[:30]!r}... is {len(ids)} tokens; with --max-new-tokens {sampling.max_new_tokens} "
                 f"that exceeds the model's context of {cfg.model.max_seq_len}",
             )
-    _, model = load(workdir, step)
+    _, model = load(workdir, step, note)
     out = generate(model, encoded, tokenizer.eos_id, tokenizer.pad_id, sampling)
     return [tokenizer.decode(ids) for ids in out]

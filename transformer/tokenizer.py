@@ -66,13 +66,31 @@ class HFTokenizer:
         self.__init__(state["json_text"])
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, np.int64) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        try:
+            encodings = self.tok.encode_batch(texts, add_special_tokens=False)
+        except TypeError:  # the library takes valid Unicode only; its TypeError does not say which text
+            bad = next((t for t in texts if not _is_utf8(t)), None)
+            if bad is None:
+                raise
+            raise TokenizerError(
+                f"text {bad[:30]!r} holds characters that are not valid UTF-8 (undecodable bytes?); "
+                "the tokenizer cannot take them"
+            ) from None
+        return [np.asarray(e.ids, np.int64) for e in encodings]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, path: Path) -> None:
         path.write_text(self.json_text)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates, e.g. from bytes decoded with errors='surrogateescape'
+        return False
+    return True
 
 
 # What a run's data pipeline, trainer and evaluator hold: either kind, used through the surface above.
