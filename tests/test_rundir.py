@@ -52,6 +52,12 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
         pass
 
 
+def test_a_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("a file where the run directory should be")
+    with pytest.raises(rundir.Busy, match="cannot write to .*file"):
+        rundir.RunLock(tmp_path / "file").acquire()
+
+
 def test_probing_an_unlocked_directory_creates_nothing(tmp_path):
     assert rundir.lock_holder(tmp_path / "nothing") is None
     assert not (tmp_path / "nothing").exists()

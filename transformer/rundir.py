@@ -229,7 +229,8 @@ class RunWriter:
 
 
 class Busy(Exception):
-    """Another live process writes this directory (exit 2): one writer per run directory."""
+    """The directory cannot be taken as this process's to write (exit 2): another live process
+    writes it (one writer per run directory), or it cannot be written at all."""
 
 
 class RunLock:
@@ -246,8 +247,11 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise Busy naming its holder."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+        except OSError as e:
+            raise Busy(f"cannot write to {self.directory}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -510,11 +510,12 @@ def _prctl() -> Callable[..., int] | None:
 def _die_with(sweep_pid: int, prctl: Callable[..., int] | None) -> None:
     """In a member, between fork and exec: have the kernel send it SIGTERM when the sweep dies, even
     by SIGKILL (it then checkpoints and exits 75, as on a Ctrl-C passed on), so that no member
-    outlives its sweep to run beside the copy a rerun starts. If the sweep is gone already, now."""
+    outlives its sweep to run beside the copy a rerun starts. If the sweep is gone already, it ends
+    here (a signal would run the sweep's own handler, inherited by this fork, and nobody waits for it)."""
     if prctl is not None:
         prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != sweep_pid:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(EXIT_PREEMPTED)
 
 
 def _summary(workdir: Path) -> str:
