@@ -106,6 +106,18 @@ def test_sweep_mistakes_name_the_key(spec, key, words):
     assert e.value.key == key and words in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize(
+    "name", ["report.html", "report.md", "sweep.json", "members", "logs", "plots", "-lr", "--help"]
+)
+def test_a_member_named_like_a_sweep_file_or_an_option_is_refused_before_anything_runs(name):
+    """Such a member's directory would overwrite (or be overwritten by) the sweep's own files, or its
+    path would read as an option on train.py's command line: refused at expansion, naming both."""
+    with pytest.raises(SweepError) as e:
+        sweep({"grid": {"optim.lr": [1e-3]}, "name": name})
+    message = str(e.value)
+    assert e.value.key == "sweep.name" and repr(name) in message and "\n" not in message, message
+
+
 def test_an_invalid_member_is_refused_naming_the_member_and_the_key():
     with pytest.raises(ConfigError) as e:
         sweep({"grid": {"model.n_kv_heads": [4, 2, 3]}})  # 4 heads are not a multiple of 3 kv heads
