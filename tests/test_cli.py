@@ -90,3 +90,19 @@ def test_invalid_yaml_exits_2_naming_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n\td_model: 3\n")
     assert_usage_error(train(str(bad), "--dry-run"), f"{bad}:2")
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["model.dtype=float16"], ["model.dtype", "float16", "use bfloat16 or float32"]),
+        (["model.attention_impl=cudnn", "model.dtype=bfloat16"], ["model.attention_impl", "use xla or einsum"]),
+        (["data.seq_len=100000", "model.position=learned"], ["data.seq_len", "TB", "attention scores"]),
+    ],
+    ids=["float16-on-cpu", "cudnn-without-cudnn", "attention-scores-beyond-memory"],
+)
+@pytest.mark.slow
+def test_what_the_platform_cannot_run_is_refused_before_anything_is_built(overrides, names, tmp_path):
+    result = train(*overrides, "--workdir", str(tmp_path / "run"))
+    assert_usage_error(result, *names)
+    assert not (tmp_path / "run" / "checkpoints").exists()
