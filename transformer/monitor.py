@@ -4,7 +4,8 @@ The monitor sees each step's loss and gradient norm one step late (no host synch
 to the step), keeps rolling statistics over `monitor.window` normal steps, and classifies anomalies:
 
 - `nonfinite`: a NaN/inf loss or gradient norm (always an anomaly; the jitted step never applies it);
-- `spike`: loss or gradient norm above mean + threshold * std once the window is warm;
+- `spike`: loss above mean + threshold * std, or log gradient norm above its mean + threshold * std,
+  once the window is warm;
 - `divergence`: loss above its first value for `monitor.divergence_steps` steps in a row.
 
 Recovery (`monitor.on_spike`): `log` records; `skip` hands limits to the jitted step, which then drops
@@ -38,6 +39,13 @@ def _window_mean_std(values: list[float]) -> tuple[float, float]:
     n = len(values)
     mean = sum(values) / n
     return mean, math.sqrt(max(0.0, sum((v - mean) ** 2 for v in values) / n))
+
+
+def _log(grad_norm: float) -> float:
+    """The scale gradient norms are judged on. They are heavy-tailed (late in training a window's
+    ordinary batches reach mean + 6 std of the raw norm with the loss below its mean, and a rollback
+    on them is a false alarm); a real spike multiplies the norm, which stands out in log space."""
+    return math.log(max(grad_norm, 1e-30))
 
 
 class MonitorStop(RuntimeError):
@@ -82,7 +90,7 @@ class Monitor:
         entries = [e for e in self.window if up_to is None or e[0] <= up_to][-self.cfg.window :]
         if len(entries) < self.warm_count:
             return None  # not warm yet
-        return _window_mean_std([e[1] for e in entries]), _window_mean_std([e[2] for e in entries])
+        return _window_mean_std([e[1] for e in entries]), _window_mean_std([_log(e[2]) for e in entries])
 
     @property
     def warm_count(self) -> int:
@@ -98,7 +106,7 @@ class Monitor:
             return math.inf, math.inf
         (lm, ls), (gm, gs) = stats
         k = self.cfg.threshold
-        return lm + k * ls, gm + k * gs
+        return lm + k * ls, math.exp(gm + k * gs)
 
     def observe(self, step: int, loss: float, grad_norm: float, applied: bool = True) -> Anomaly | None:
         """Classify one step; normal steps enter the window, anomalies do not (a spike must not
@@ -118,7 +126,7 @@ class Monitor:
         if stats is not None:
             (lm, ls), (gm, gs) = stats
             loss_z = (loss - lm) / ls if ls > 0 else 0.0
-            grad_z = (grad_norm - gm) / gs if gs > 0 else 0.0
+            grad_z = (_log(grad_norm) - gm) / gs if gs > 0 else 0.0
         if self.above_first >= self.cfg.divergence_steps and not self.diverged:  # reported once
             self.diverged = True
             return Anomaly("divergence", step, loss, grad_norm, loss_z, grad_z)
