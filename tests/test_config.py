@@ -451,3 +451,40 @@ def test_shipped_config_loads(path):
         assert all(isinstance(m.config, Config) for m in expand(raw, str(path)).members)
     else:
         assert isinstance(load(path=path), Config)
+
+
+def _int_keys() -> list[str]:
+    """Every key of the schema whose value is an integer (or an integer or null)."""
+    import dataclasses
+    import typing
+
+    from transformer.config_loader import all_keys
+
+    def annotation(key: str):
+        cls: typing.Any = Config
+        for part in key.split("."):
+            hints = typing.get_type_hints(cls)
+            (field,) = [f for f in dataclasses.fields(cls) if f.metadata.get("key", f.name) == part]
+            cls = hints[field.name]
+        return cls
+
+    return [k for k in all_keys() if int in (annotation(k), *typing.get_args(annotation(k)))]
+
+
+@pytest.mark.parametrize("key", _int_keys())
+def test_integers_beyond_32_bits_are_refused_naming_the_key(key):
+    """JAX holds steps, seeds and sizes as int32: 2**31 would overflow (or hang) far from the config."""
+    error = load_error(f"{key}={2**31}")
+    assert error.key == key
+    assert "32-bit" in error.message and "2,147,483,648" in error.message
+
+
+def test_the_integer_keys_include_steps_seeds_and_sizes():
+    assert {"optim.warmup_steps", "train.steps", "train.seed", "model.d_model", "faults.nan_step"} <= set(_int_keys())
+
+
+@pytest.mark.parametrize("axis", ["fsdp", "tensor"])
+def test_a_second_filled_mesh_axis_is_the_one_named(axis):
+    error = load_error(f"mesh.{axis}=-1")
+    assert error.key == f"mesh.{axis}"
+    assert "mesh.data is -1 too" in error.message

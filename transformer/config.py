@@ -57,6 +57,22 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(key, message)
 
 
+# Integers reach JAX as int32 (steps, seeds, sizes, positions): larger ones cannot be held there.
+INT_LIMIT = 2**31
+
+
+def _check_ints(section: Any) -> None:
+    """Every integer field of a section fits a signed 32-bit integer."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check(
+                -INT_LIMIT <= value < INT_LIMIT,
+                field.metadata.get("key", field.name),  # yaml_key, defined below
+                f"must fit a 32-bit integer (less than 2**31 = {INT_LIMIT:,} in size), got {value:,}",
+            )
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -107,6 +123,7 @@ class ModelConfig:
     remat: Remat = "none"
 
     def __post_init__(self):
+        _check_ints(self)
         # in this order, so that of several mistakes the most basic is reported
         self._resolve_sizes()
         self._check_positions()
@@ -313,6 +330,7 @@ class DataConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        _check_ints(self)
         _check(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
         _check(self.val_windows >= 1, "val_windows", f"must be >= 1, got {self.val_windows}")
         _check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
@@ -346,6 +364,7 @@ class OptimConfig:
     clip_norm: float | None = 1.0
 
     def __post_init__(self):
+        _check_ints(self)
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
@@ -367,6 +386,7 @@ class TrainConfig:
     z_loss: float = 0.0
 
     def __post_init__(self):
+        _check_ints(self)
         for name in ("steps", "batch_size", "grad_accum", "eval_every"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(
@@ -384,10 +404,18 @@ class MeshConfig:
     tensor: int = 1
 
     def __post_init__(self):
+        _check_ints(self)
         sizes = dataclasses.asdict(self)
         for name, size in sizes.items():
             _check(size == -1 or size >= 1, name, f"must be >= 1 or -1 (fill), got {size}")
-        _check(list(sizes.values()).count(-1) <= 1, "data", "at most one mesh axis may be -1")
+        filled = [f"mesh.{name}" for name, size in sizes.items() if size == -1]
+        # data is -1 by default: the axis named is the other one, the one the user set
+        if len(filled) > 1:
+            others = " and ".join(filled[:-1])
+            raise ConfigError(
+                filled[-1][5:],
+                f"at most one mesh axis may be -1, but {others} {'is' if len(filled) == 2 else 'are'} -1 too; give {others} a size",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,6 +426,7 @@ class CheckpointConfig:
     async_: bool = dataclasses.field(default=True, metadata={"key": "async"})
 
     def __post_init__(self):
+        _check_ints(self)
         _check(self.every >= 1, "every", f"must be >= 1, got {self.every}")
         _check(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
         _check(self.keep_best >= 0, "keep_best", f"must be >= 0, got {self.keep_best}")
@@ -417,6 +446,7 @@ class MonitorConfig:
     stats_every: int = 0  # 0: per-layer stability statistics off
 
     def __post_init__(self):
+        _check_ints(self)
         for name in ("window", "divergence_steps", "max_nonfinite"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("skip_batches", "cooldown", "max_rollbacks", "stats_every"):
@@ -436,6 +466,7 @@ class FaultsConfig:
     nan_step: int | None = None  # this step's gradients are NaN
 
     def __post_init__(self):
+        _check_ints(self)
         for name in ("lr_step", "corrupt_step", "nan_step"):
             value = getattr(self, name)
             _check(value is None or value >= 0, name, f"must be >= 0 or null, got {value}")
@@ -449,6 +480,7 @@ class LoggingConfig:
     progress: bool = True
 
     def __post_init__(self):
+        _check_ints(self)
         _check(self.every >= 1, "every", f"must be >= 1, got {self.every}")
 
 
