@@ -5,8 +5,9 @@
 Trains a tiny model twice without interruption (the reference, and a run that times the others and
 checks that two uninterrupted runs agree), then, per trial, starts the same
 `train.py` command in a fresh directory, SIGKILLs it at a random moment and runs the command again
-(as often as it asks: exit 75 means "run it again"). A trial holds when the rerun exits 0 with
-bitwise the reference's final parameters and the reference's metrics file (timings aside). Even
+(as often as it asks: exit 75 means "run it again"). A trial holds when the rerun exits 0 (or 2,
+"already trained", for a run killed after its `end` event) with bitwise the reference's final
+parameters and the reference's metrics file (timings aside). Even
 trials pick the moment over the whole life of the process (start-up, compile, training, saving),
 odd ones over its training phase alone (from the `start` event on), where the saves are. Prints one
 line per trial (the moment and what the kill left on disk), then {"trials": N, "held": K}.
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from transformer import rundir
 
 ROOT = Path(__file__).resolve().parent.parent
+STEPS = 120
 CONFIG = [
     "data.source=builtin:recall:train_docs=400,val_docs=40",
     "data.seq_len=32",
@@ -38,7 +41,7 @@ CONFIG = [
     "model.n_heads=4",
     "model.ffn_multiple=16",
     "train.batch_size=8",
-    "train.steps=120",
+    f"train.steps={STEPS}",
     "train.eval_every=40",
     "optim.warmup_steps=5",
     "checkpoint.every=20",
@@ -91,7 +94,7 @@ def rerun(workdir: Path, cache: Path) -> int:
         _, err = proc.communicate()
         if proc.returncode != 75:
             if proc.returncode != 0:
-                print(f"    rerun exit {proc.returncode}: {err.strip().splitlines()[-1:] or ''}")
+                print(f"    rerun exit {proc.returncode}: {err.strip().splitlines()[-1:]}")
             return proc.returncode
     return 75
 
@@ -115,22 +118,36 @@ def same_run(workdir: Path, ref: Path) -> bool:
     return same_params and trajectory(workdir) == trajectory(ref)
 
 
+def kill_at_random(workdir: Path, cache: Path, rng: random.Random, training: bool, total: float) -> str:
+    """Start the run and SIGKILL it at a random moment: of its whole life, or (`training`) of its
+    training phase, from its own `start` event on. A run that ended first is started again in a
+    fresh directory, the window halved. Returns the moment and what the kill left, in words."""
+    for attempt in range(4):
+        shutil.rmtree(workdir, ignore_errors=True)
+        began = time.monotonic()
+        proc = train(workdir, cache)
+        while training and proc.poll() is None and not rundir.read_events(workdir, "start"):
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, total * 0.5**attempt))
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            return f"killed at {time.monotonic() - began:5.2f} s, {left_behind(workdir)}"
+        if proc.returncode != 0:
+            return f"it failed by itself (exit {proc.returncode}): {proc.stderr.read().strip().splitlines()[-1:]}"
+    return "never killed: it always finished first"
+
+
 def trial(i: int, rng: random.Random, root: Path, cache: Path, started: float, total: float) -> bool:
     """Kill one run at a random moment, run it again, compare with the reference."""
     workdir = root / f"trial-{i}"
-    delay = rng.uniform(0, total) if i % 2 == 0 else rng.uniform(started, total)
-    proc = train(workdir, cache)
-    time.sleep(delay)
-    killed = proc.poll() is None
-    if killed:
-        proc.kill()
-    proc.wait()
-    moment = left_behind(workdir) if killed else f"never: it had exited ({proc.returncode})"
-    rc = rerun(workdir, cache) if killed else proc.returncode
-    held = rc == 0 and same_run(workdir, root / "reference")
-    print(
-        f"trial {i}: killed at {delay:5.2f} s, {moment}; rerun exit {rc}; {'held' if held else 'NOT HELD'}", flush=True
-    )
+    training = i % 2 == 1
+    moment = kill_at_random(workdir, cache, rng, training, total - started if training else total)
+    rc = rerun(workdir, cache)
+    # exit 2 "already trained" is the answer for a run killed after its `end` event: nothing to redo
+    finished = rc == 0 or (rc == 2 and rundir.status(workdir, STEPS) == "finished")
+    held = finished and same_run(workdir, root / "reference")
+    print(f"trial {i}: {moment}; rerun exit {rc}; {'held' if held else 'NOT HELD'}", flush=True)
     return held
 
 

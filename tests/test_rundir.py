@@ -54,7 +54,7 @@ def test_a_second_writer_is_refused_naming_the_first(tmp_path):
 
 def test_a_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path):
     (tmp_path / "file").write_text("a file where the run directory should be")
-    with pytest.raises(rundir.Busy, match="cannot write to .*file"):
+    with pytest.raises(rundir.Busy, match=r"cannot write to .*file"):
         rundir.RunLock(tmp_path / "file").acquire()
 
 
@@ -234,6 +234,28 @@ def test_sigkill_during_the_first_save_then_the_same_command_finishes(corpus, ca
     assert out.returncode == 0, out.stderr[-3000:]
     assert kinds(workdir)[-2:] == ["start", "end"]
     assert_same_run(workdir, straight)
+
+
+@pytest.mark.slow
+def test_killed_after_the_final_checkpoint_the_same_command_journals_the_end(corpus, cache, straight, tmp_path):
+    """A kill between the final save and the `end` event (found by benchmarks/reliability.py): the
+    rerun was refused as "already trained" (exit 2, which stops a sweep); it ends the run instead."""
+    import shutil
+
+    workdir = tmp_path / "run"
+    shutil.copytree(straight, workdir)
+    lines = (workdir / rundir.EVENTS).read_text().splitlines()
+    assert json.loads(lines[-1])["event"] == "end"
+    (workdir / rundir.EVENTS).write_text("".join(line + "\n" for line in lines[:-1]))
+    assert rundir.status(workdir, STEPS) == "interrupted"
+    out = cli(*args(corpus, cache), "--workdir", str(workdir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert kinds(workdir) == ["start", "resume", "end"]
+    ended, reference = rundir.read_events(workdir, "end")[0], rundir.read_events(straight, "end")[0]
+    assert {k: v for k, v in ended.items() if k != "time"} == {k: v for k, v in reference.items() if k != "time"}
+    assert_same_run(workdir, straight)
+    again = cli(*args(corpus, cache), "--workdir", str(workdir))  # now it is finished: said so, as before
+    assert again.returncode == 2 and "already trained" in again.stderr
 
 
 @pytest.mark.slow

@@ -68,6 +68,8 @@ def _run(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult:
         start, monitor_state = begin(cfg, mesh, workdir, checkpointer, leftovers, changes, log)
         if lead:
             rundir.write_config(workdir, cfg)
+        if start is not None and int(start.step) >= cfg.train.steps:
+            return conclude(cfg, workdir, start, log)
         with StopSignal() as stop:
             result = train(
                 cfg,
@@ -85,6 +87,22 @@ def _run(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult:
     if lead:
         log(summary(result, data))
     return result
+
+
+def conclude(cfg: Config, workdir: Path, start: TrainState, log: Callable[[str], None]) -> RunResult:
+    """End a run killed after its final checkpoint but before its `end` event: everything it logged
+    up to that checkpoint is on disk (metrics are written before a save starts), so the end event is
+    journaled from them, as the run would have, and nothing is trained again."""
+    steps = cfg.train.steps
+    last = [r for r in rundir.read_metrics(workdir) if r["step"] == steps]
+    train_loss = next((float(r["loss"]) for r in reversed(last) if "loss" in r), float("nan"))
+    val = next(({k: v for k, v in r.items() if k.startswith("val_")} for r in reversed(last) if "val_loss" in r), {})
+    writer = RunWriter(workdir, jax.process_index() == 0, tensorboard=False)
+    writer.event("end", steps, train_loss=train_loss, **val)
+    writer.close()
+    if jax.process_index() == 0:
+        log(f"{workdir} was trained to step {steps} (its final checkpoint); journaled its end")
+    return RunResult(train_loss, val, 0.0, 0.0, steps, start.params)
 
 
 def resume_changes(cfg: Config, workdir: Path) -> list[str] | None:
@@ -158,7 +176,8 @@ def resume(
     after it are dropped (the resumed run logs them again)."""
     start, meta = restore(Trainer(cfg, mesh), checkpointer, events.event)
     step = int(start.step)
-    if step >= cfg.train.steps:
+    # at train.steps but not ended: killed after its final checkpoint (see `conclude`)
+    if step > cfg.train.steps or (step == cfg.train.steps and rundir.status(workdir, step) in rundir.FINAL):
         raise ConfigError(
             "train.steps", f"{workdir} is already trained to step {step}; raise train.steps to continue it"
         )
