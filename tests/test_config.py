@@ -488,3 +488,74 @@ def test_a_second_filled_mesh_axis_is_the_one_named(axis):
     error = load_error(f"mesh.{axis}=-1")
     assert error.key == f"mesh.{axis}"
     assert "mesh.data is -1 too" in error.message
+
+
+# --- hostile files and values --------------------------------------------------------------------
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """A 'billion laughs' flow sequence of 9**levels values in a few hundred bytes: level i is
+    level i - 1 (defined in place, anchored) followed by eight aliases of it."""
+    text = "&l0 [" + ",".join(["lol"] * 9) + "]"
+    for i in range(1, levels):
+        text = f"&l{i} [{text}," + ",".join([f"*l{i - 1}"] * 8) + "]"
+    return text
+
+
+def test_an_alias_bomb_in_an_override_is_refused_before_it_expands():
+    error = load_error(f"model.attention_pattern={_alias_bomb()}")
+    assert error.key == "model.attention_pattern"
+    assert "aliases expand to more than" in error.message
+
+
+def test_an_alias_bomb_in_a_file_is_refused_before_it_expands(tmp_path):
+    path = write(tmp_path / "bomb.yaml", f"model:\n  attention_pattern: {_alias_bomb()}\n")
+    error = load_error(path=path)
+    assert str(path) in str(error) and "aliases expand to more than" in str(error)
+
+
+def test_an_alias_that_contains_itself_is_refused(tmp_path):
+    error = load_error(path=write(tmp_path / "loop.yaml", "model:\n  attention_pattern: &p [local, *p]\n"))
+    assert "refers to a node that contains it" in str(error)
+
+
+def test_ordinary_aliases_still_work(tmp_path):
+    cfg = load(path=write(tmp_path / "alias.yaml", "model:\n  n_layers: &n 4\n  n_heads: *n\n"))
+    assert (cfg.model.n_layers, cfg.model.n_heads) == (4, 4)
+
+
+SECRET = "root:$6$saltsalt$SECRETHASH0123:19000:0:99999:7:::\n*secretalias:x\n"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [SECRET, SECRET.splitlines()[0] + "\n", "SECRET_KEY: hunter2\n", "*secretalias\n", b"\xff\xfeSECRETHASH\x00"],
+    ids=["shadow", "shadow-line", "env-file", "alias-only", "binary"],
+)
+def test_a_base_that_is_no_config_is_refused_without_quoting_it(tmp_path, content):
+    secret = tmp_path / "secret"
+    if isinstance(content, bytes):
+        secret.write_bytes(content)
+    else:
+        secret.write_text(content)
+    error = load_error(path=write(tmp_path / "child.yaml", f"base: {secret}\n"))
+    message = str(error)
+    assert "\n" not in message and str(secret) in message
+    for fragment in ("SECRETHASH", "secretalias", "SECRET_KEY", "hunter2", "root:"):
+        assert fragment not in message, message
+
+
+def test_a_misspelled_section_in_a_file_is_still_suggested(tmp_path):
+    error = load_error(path=write(tmp_path / "typo.yaml", "modle:\n  n_layers: 2\n"))
+    assert error.key == "modle" and "did you mean model?" in error.message
+
+
+def test_a_config_path_longer_than_the_file_system_allows_is_one_line():
+    error = load_error(path=Path("x" * 300 + ".yaml"))
+    assert "File name too long" in str(error)
+
+
+def test_a_config_file_too_large_to_be_one_is_refused(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * 200_000)
+    assert "a config file is at most" in str(load_error(path=big))

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from transformer.config import DEFAULT_CONFIG, Config, ConfigError, DataConfig, yaml_key
+from transformer.errors import first_line
 
 # --- schema walking ------------------------------------------------------------------------------
 
@@ -182,29 +183,109 @@ def from_dict(raw: dict[str, Any], cls: type = Config, prefix: str = "") -> Any:
 # --- files and overrides -------------------------------------------------------------------------
 
 
-def _parse_yaml_file(path: Path) -> dict[str, Any]:
-    """One YAML file as a mapping; a missing file or a syntax error is one line with its location."""
+# Bounds on what a config may be: a run config is a few kB. A "billion laughs" document (aliases of
+# aliases) is small as text and parses into shared nodes, but every copy or walk of it expands them.
+MAX_CONFIG_BYTES = 1_000_000
+MAX_YAML_NODES = 100_000  # nodes of one document with its aliases expanded
+TOP_LEVEL_KEYS = ("base", "sweep")  # besides the schema's sections
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses, before constructing anything, a document whose aliases expand
+    to more than MAX_YAML_NODES nodes or refer to a node that contains them."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _expanded_size(node, {}, set())
+        return super().construct_document(node)
+
+
+class _YamlTooLarge(yaml.YAMLError):
+    """A document refused by `_BoundedLoader`; its message is the whole explanation."""
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """The node count of `node` with every alias expanded (memoised: a shared node is counted once
+    per reference without being walked again)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise _YamlTooLarge("a YAML alias refers to a node that contains it")
+    open_nodes.add(id(node))
+    children: list[yaml.Node] = []
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    size = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+    if size > MAX_YAML_NODES:
+        raise _YamlTooLarge(f"YAML aliases expand to more than {MAX_YAML_NODES:,} values")
+    open_nodes.discard(id(node))
+    sizes[id(node)] = size
+    return size
+
+
+def safe_yaml(text: str) -> Any:
+    """yaml.safe_load, bounded: a yaml.YAMLError for a document whose aliases expand past
+    MAX_YAML_NODES values or refer to themselves, or that nests too deeply to parse."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader subclass: safe
+    except RecursionError:
+        raise _YamlTooLarge("YAML nested too deeply") from None
+
+
+def _read_text(path: Path) -> str:
+    """A config file's text; too large, unreadable or not UTF-8 is one line that quotes none of it."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError("", f"{path} is {size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,}")
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError("", f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("", f"{path} is not a YAML config file (not UTF-8 text)") from None
+
+
+def _parse_yaml_file(path: Path, is_base: bool = False) -> dict[str, Any]:
+    """One YAML file as a mapping of sections; a missing file or a syntax error is one line with its
+    location. Nothing of a file that is not a config is quoted: `base:` may name any readable file,
+    so a base's syntax error gives its line only (PyYAML's wording may quote an alias or a tag)."""
+    try:
+        raw = safe_yaml(_read_text(path)) or {}
+    except _YamlTooLarge as e:
+        raise ConfigError("", f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError("", f"invalid YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+        problem = "" if is_base else f": {getattr(e, 'problem', None) or first_line(e)}"
+        raise ConfigError("", f"invalid YAML in {path}{where}{problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError("", f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    sections = [yaml_key(f) for f in dataclasses.fields(Config)]
+    for key in raw:
+        if key in sections or key in TOP_LEVEL_KEYS:
+            continue
+        hint = difflib.get_close_matches(str(key), sections, n=1)
+        if hint:  # a misspelled section: safe to quote, it is nearly a section's name
+            raise ConfigError(str(key), f"unknown section in {path} (did you mean {hint[0]}?)")
+        raise ConfigError("", f"{path} is not a run config: a top-level key is none of {', '.join(sections)}")
     return raw
 
 
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A YAML config with its `base:` chain merged in (each base relative to the file naming it)."""
-    path = path.resolve()
+    try:
+        path = path.resolve()
+        is_file = path.is_file()
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise ConfigError("", f"cannot read config file {str(path)[:80]}...: {e.strerror}") from None
     if path in chain:
         cycle = " -> ".join(p.name for p in (*chain, path))
         raise ConfigError("base", f"inheritance cycle: {cycle}")
-    if not path.is_file():
+    if not is_file:
         where = f" (base of {chain[-1].name})" if chain else ""
         raise ConfigError("", f"config file not found: {path}{where}")
-    raw = _parse_yaml_file(path)
+    raw = _parse_yaml_file(path, is_base=bool(chain))
     base = raw.pop("base", None)
     if base is None:
         return raw
@@ -230,7 +311,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError("", f"override {text!r} is not of the form key.path=value")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = safe_yaml(value) if value.strip() else None
+    except _YamlTooLarge as e:
+        raise ConfigError(key, str(e)) from None
     except yaml.YAMLError:
         raise ConfigError(key, f"cannot parse the value {value!r} as YAML") from None
     return key.split("."), parsed
