@@ -106,3 +106,11 @@ def test_what_the_platform_cannot_run_is_refused_before_anything_is_built(overri
     result = train(*overrides, "--workdir", str(tmp_path / "run"))
     assert_usage_error(result, *names)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_first_override_longer_than_a_file_name_is_an_override():
+    """Probing a 300-byte argument as a file path raised `OSError: File name too long`."""
+    value = "x" * 300
+    assert_usage_error(train(f"model.norm={value}", "--dry-run"), "model.norm", "layernorm, rmsnorm")
+    assert_usage_error(train("y" * 300 + ".yaml", "--dry-run"), "File name too long")

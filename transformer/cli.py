@@ -61,7 +61,7 @@ def _distributed(args) -> None:
 def train_main(argv: list[str] | None = None) -> int:
     args = train_parser().parse_intermixed_args(argv)
     # A first positional with '=' is an override, not a file: `train.py model.window=64` works too.
-    if args.config is not None and "=" in args.config and not Path(args.config).is_file():
+    if args.config is not None and "=" in args.config and not _is_file(args.config):
         args.overrides.insert(0, args.config)
         args.config = None
     from transformer.sweep import load_sweep
@@ -85,6 +85,15 @@ def train_main(argv: list[str] | None = None) -> int:
         return 0
     _distributed(args)
     return _train_job(cfg, Path(args.workdir) if args.workdir else _default_workdir(args.config))
+
+
+def _is_file(text: str) -> bool:
+    """Whether `text` names a file; False also for what cannot be a path (longer than the file
+    system allows: an override is often longer than 255 bytes)."""
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
 
 
 def _train_job(cfg: Config, workdir: Path) -> int:
