@@ -114,3 +114,42 @@ def test_a_first_override_longer_than_a_file_name_is_an_override():
     value = "x" * 300
     assert_usage_error(train(f"model.norm={value}", "--dry-run"), "model.norm", "layernorm, rmsnorm")
     assert_usage_error(train("y" * 300 + ".yaml", "--dry-run"), "File name too long")
+
+
+@pytest.fixture
+def config_only_run(tmp_path) -> Path:
+    """A run directory with the default config and no checkpoint: what eval.py checks first."""
+    from transformer import rundir
+
+    rundir.write_config(tmp_path, load_config())
+    return tmp_path
+
+
+def eval_usage_error(capsys, *argv: str) -> str:
+    from transformer.cli import eval_main
+
+    with pytest.raises(SystemExit) as e:
+        eval_main(list(argv))
+    assert e.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--max-new-tokens", "--top-k"])
+def test_eval_integers_beyond_32_bits_are_refused(capsys, config_only_run, flag):
+    line = eval_usage_error(capsys, "--workdir", str(config_only_run), "--generate", "a", flag, str(2**40))
+    assert flag in line and "32-bit" in line
+
+
+def test_eval_top_k_beyond_the_vocabulary_is_refused(capsys, config_only_run):
+    line = eval_usage_error(capsys, "--workdir", str(config_only_run), "--generate", "a", "--top-k", "1000")
+    assert "--top-k 1000" in line and "vocabulary of 259" in line
+
+
+def test_eval_kv_cache_beyond_memory_is_refused_with_the_figure(capsys, config_only_run):
+    argv = ["--workdir", str(config_only_run), "--generate", "a", "--max-new-tokens", str(2**31 - 1)]
+    line = eval_usage_error(capsys, *argv)
+    assert "--max-new-tokens" in line and "TB" in line and "KV cache" in line
+    # within the vocabulary and memory, sampling goes on to the checkpoint (this run has none)
+    assert "no checkpoint" in eval_usage_error(capsys, *argv[:4], "--top-k", "259")

@@ -263,15 +263,32 @@ def _check_eval_args(args: argparse.Namespace) -> None:
         (args.top_p is None or 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
         (args.batches is None or args.batches >= 1, "--batches must be >= 1"),
     ]
+    # JAX holds these as 32-bit integers (the seed, the scan length, k)
+    for flag in ("seed", "max_new_tokens", "top_k"):
+        value = getattr(args, flag)
+        ok = value is None or -(2**31) <= value < 2**31
+        checks.append((ok, f"--{flag.replace('_', '-')} must fit a 32-bit integer, got {value}"))
     for ok, message in checks:
         if not ok:
             _fail("eval.py", message)
+
+
+def _check_sampling(args: argparse.Namespace, workdir: Path, n_prompts: int) -> None:
+    """The sampling flags against the run: k within its vocabulary, the KV cache within memory."""
+    from transformer.evaluate import run_config
+    from transformer.sharding import check_generation_memory
+
+    model = run_config(workdir, []).model
+    if args.top_k is not None and args.top_k > model.vocab_size:
+        _fail("eval.py", f"--top-k {args.top_k} is larger than the run's vocabulary of {model.vocab_size} tokens")
+    check_generation_memory(model, n_prompts, args.max_new_tokens)
 
 
 def _sample_main(args: argparse.Namespace, workdir: Path, prompts: list[str]) -> int:
     from transformer.evaluate import sample
     from transformer.generate import SamplingConfig
 
+    _check_sampling(args, workdir, len(prompts))
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     texts = sample(workdir, prompts, sampling, args.step)
     if args.json:
