@@ -10,7 +10,10 @@ checks that two uninterrupted runs agree), then, per trial, starts the same
 parameters and the reference's metrics file (timings aside). Even
 trials pick the moment over the whole life of the process (start-up, compile, training, saving),
 odd ones over its training phase alone (from the `start` event on), where the saves are. Prints one
-line per trial (the moment and what the kill left on disk), then {"trials": N, "held": K}.
+line per trial (the moment and what the kill left on disk). Then `--sweeps` trials do the same to
+a two-member sweep, SIGKILLing its whole process group (its members run in their own sessions: they
+must stop with it, or be waited for by the rerun). Last line: {"trials": N, "held": K,
+"sweep_trials": M, "sweep_held": L}.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -151,9 +155,60 @@ def trial(i: int, rng: random.Random, root: Path, cache: Path, started: float, t
     return held
 
 
+def sweep(workdir: Path, cache: Path) -> subprocess.Popen:
+    """The sweep (two seeds of the same config) in its own process group, as a scheduler starts a job."""
+    spec = workdir.parent / "sweep.yaml"
+    spec.write_text(json.dumps({"sweep": {"seeds": [0, 1]}}))  # JSON is YAML
+    argv = [sys.executable, "train.py", str(spec), *CONFIG, f"data.cache_dir={cache}", "--workdir", str(workdir)]
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    return subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def members(workdir: Path) -> list[str]:
+    return [m["name"] for m in json.loads((workdir / "sweep.json").read_text())["members"]]
+
+
+def sweep_trial(i: int, rng: random.Random, root: Path, cache: Path, total: float) -> bool:
+    """SIGKILL a sweep's whole process group at a random moment (its members, in their own sessions,
+    survive that), run the sweep again until it ends, compare every member with the reference's."""
+    workdir = root / f"sweep-{i}"
+    began, proc = time.monotonic(), sweep(workdir, cache)
+    time.sleep(rng.uniform(0, total))
+    moment = f"finished before the kill (exit {proc.poll()})"
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        states = ", ".join(f"{m.name}: {left_behind(m)}" for m in sorted(workdir.glob("run-s*")))
+        moment = f"killed at {time.monotonic() - began:5.2f} s ({states or 'no member started'})"
+    rc = 75
+    for _ in range(5):  # exit 75: interrupted (members preempted), run it again
+        again = sweep(workdir, cache)
+        _, err = again.communicate()
+        rc = again.returncode
+        if rc != 75:
+            break
+    reference = root / "sweep-reference"
+    held = rc == 0 and all(same_run(workdir / m, reference / m) for m in members(reference))
+    print(f"sweep trial {i}: {moment}; rerun exit {rc}; {'held' if held else 'NOT HELD'}", flush=True)
+    if rc != 0:
+        print(f"    {err.strip().splitlines()[-1:]}")
+    return held
+
+
+def sweep_reference(root: Path, cache: Path) -> float:
+    began, proc = time.monotonic(), sweep(root / "sweep-reference", cache)
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"the reference sweep failed (exit {proc.returncode}): {err[-2000:]}")
+    return time.monotonic() - began
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=12)
+    p.add_argument("--sweeps", type=int, default=2, help="trials that kill a sweep (two members)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="where the runs go (default: a temporary directory)")
     args = p.parse_args()
@@ -166,7 +221,13 @@ def main() -> None:
     print(f"an uninterrupted run: {total:.1f} s, training from {started:.1f} s", flush=True)
     rng = random.Random(args.seed)
     held = sum(trial(i, rng, root, cache, started, total) for i in range(args.trials))
-    print(json.dumps({"trials": args.trials, "held": held}))
+    result = {"trials": args.trials, "held": held}
+    if args.sweeps:
+        sweep_total = sweep_reference(root, cache)
+        print(f"an uninterrupted sweep: {sweep_total:.1f} s", flush=True)
+        sweep_held = sum(sweep_trial(i, rng, root, cache, sweep_total) for i in range(args.sweeps))
+        result.update(sweep_trials=args.sweeps, sweep_held=sweep_held)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -336,7 +336,7 @@ def test_a_second_sweep_on_one_directory_is_refused(tmp_path):
 def test_kills_at_random_moments_resume(tmp_path):
     """The suite's small version of benchmarks/reliability.py (which runs more trials)."""
     out = subprocess.run(
-        [sys.executable, "benchmarks/reliability.py", "--trials", "2", "--workdir", str(tmp_path)],
+        [sys.executable, "benchmarks/reliability.py", "--trials", "2", "--sweeps", "1", "--workdir", str(tmp_path)],
         cwd=ROOT,
         env=env(),
         capture_output=True,
@@ -344,4 +344,9 @@ def test_kills_at_random_moments_resume(tmp_path):
         timeout=900,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"trials": 2, "held": 2}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "trials": 2,
+        "held": 2,
+        "sweep_trials": 1,
+        "sweep_held": 1,
+    }
