@@ -1,6 +1,7 @@
 """Checkpoints: exact resume (clean stop, SIGKILL, SIGTERM), reshard on restore, config changes on
 resume, damaged and unwritable directories, retention, and nothing non-finite saved."""
 
+import json
 import os
 import shutil
 import signal
@@ -351,3 +352,246 @@ def test_load_errors(tmp_path, straight):
         load(tmp_path)
     with pytest.raises(CheckpointError, match="was not kept"):
         load(straight, step=7)
+
+
+# --- integrity: checksums, failed saves, damaged metrics records, eval's fall-back ------------------
+SHORT = ("checkpoint.every=5", "train.eval_every=5", "optim.schedule=constant")
+
+
+def run_logged(corpus, cache, workdir, *extra) -> list[str]:
+    """Run in-process; the lines the job logged."""
+    lines: list[str] = []
+    run(load_config(None, args(corpus, cache, *SHORT, *extra)), workdir, log=lines.append)
+    return lines
+
+
+@pytest.fixture(scope="session")
+def ten(corpus, cache, tmp_path_factory):
+    """10 steps, checkpoints at 5 and 10, each with its validation loss."""
+    workdir = tmp_path_factory.mktemp("ten") / "run"
+    run_logged(corpus, cache, workdir, "train.steps=10")
+    return workdir
+
+
+@pytest.fixture(scope="session")
+def fifteen(corpus, cache, tmp_path_factory):
+    """The uninterrupted 15-step run of the same config."""
+    workdir = tmp_path_factory.mktemp("fifteen") / "run"
+    run_logged(corpus, cache, workdir, "train.steps=15")
+    return workdir
+
+
+def raw_arrays(workdir: Path, step: int, item: str = "params") -> list[np.ndarray]:
+    """A checkpoint's arrays of one item of the state (`params`, `opt_state`) as orbax alone reads
+    them back (no checksums checked)."""
+    import orbax.checkpoint as ocp
+
+    from transformer.checkpoint import Checkpointer
+    from transformer.config import CheckpointConfig
+
+    ckpt = Checkpointer(workdir, CheckpointConfig(), read_only=True)
+    try:
+        restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        return [np.asarray(x) for x in jax.tree.leaves(restored["state"][item])]
+    finally:
+        ckpt.close()
+
+
+def data_files(step_dir: Path) -> list[Path]:
+    """The files holding a checkpoint's array data (OCDBT's `d/` files)."""
+    return sorted(p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d")
+
+
+def flip_silently(workdir: Path, step: int) -> None:
+    """Flip one byte of the step's parameter data where orbax notices nothing: it restores without
+    an error, other numbers (the damage a checksum must catch)."""
+    before = raw_arrays(workdir, step)
+    largest = max(data_files(workdir / "checkpoints" / str(step)), key=lambda p: p.stat().st_size)
+    original = largest.read_bytes()
+    for offset in range(len(original) // 2, len(original), 997):
+        largest.write_bytes(original[:offset] + bytes([original[offset] ^ 0x10]) + original[offset + 1 :])
+        try:
+            after = raw_arrays(workdir, step)
+        except Exception:
+            continue
+        if any(not np.array_equal(a, b) for a, b in zip(before, after)):
+            return
+    largest.write_bytes(original)
+    pytest.fail("no byte of the data could be flipped without orbax noticing")
+
+
+@pytest.mark.slow
+def test_flipped_byte_is_detected_and_the_run_resumes_bitwise_from_the_previous(corpus, cache, ten, fifteen, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(ten, workdir)
+    flip_silently(workdir, 10)
+    lines = run_logged(corpus, cache, workdir, "train.steps=15")
+    assert [e["step"] for e in events(workdir) if e["event"] == "checkpoint_corrupt"] == [10]
+    assert "checksum mismatch" in next(e for e in events(workdir) if e["event"] == "checkpoint_corrupt")["error"]
+    assert [e["step"] for e in events(workdir) if e["event"] == "resume"] == [5]
+    damaged = [line for line in lines if "step 10" in line and "damaged" in line]
+    assert len(damaged) == 1 and "checksum mismatch" in damaged[0], lines
+    assert (workdir / "checkpoints" / "10.corrupt").is_dir()  # set aside, not deleted
+    assert_bitwise_equal(final_params(workdir), final_params(fifteen))
+    assert losses(workdir) == losses(fifteen)
+
+
+def test_checksums_see_every_element_and_no_sharding():
+    from transformer.checkpoint import tree_checksums, verify_checksums
+
+    tree = {"w": jax.numpy.arange(24, dtype=jax.numpy.float32).reshape(4, 6), "b": jax.numpy.ones(3, "bfloat16")}
+    saved = tree_checksums(tree)
+    verify_checksums(tree, saved)
+    for leaf, index in (("w", (3, 5)), ("w", (0, 0)), ("b", (1,))):
+        changed = {**tree, leaf: tree[leaf].at[index].set(tree[leaf][index] + 1)}
+        with pytest.raises(ValueError, match=f"checksum mismatch in \\['{leaf}'\\]"):
+            verify_checksums(changed, saved)
+    swapped = {**tree, "w": tree["w"][::-1]}  # the same numbers in other places
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        verify_checksums(swapped, saved)
+    verify_checksums(tree, None)  # a checkpoint from before checksums passes
+
+
+# train.py with the directory of step 10's checkpoint refused (as a read-only file system or a
+# permission change would; root ignores chmod, so the refusal is patched into the path library orbax
+# uses). On exit it prints how many of orbax's writer threads are left waiting for a signal: each
+# would hold the process for orbax's 300 s barrier timeout.
+DENY_STEP_10 = """
+import sys, threading
+from etils.epath import gpath
+real = gpath._GPath.mkdir
+def denied(self, *a, **kw):
+    if "10.orbax-checkpoint-tmp" in str(self):
+        raise PermissionError(13, "Permission denied", str(self))
+    return real(self, *a, **kw)
+gpath._GPath.mkdir = denied
+from transformer.cli import train_main
+rc = train_main(sys.argv[1:])
+print("waiting threads:", sum(type(t).__name__ == "_SignalingThread" and t.is_alive() for t in threading.enumerate()))
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+def test_failed_save_names_its_step_is_journaled_and_exits_at_once(corpus, cache, ten, tmp_path):
+    del ten  # its run fills the token cache: the subprocess's stderr then holds only what the run says
+    workdir = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    argv = [*args(corpus, cache, *SHORT, "train.steps=20"), "--workdir", str(workdir)]
+    # the timeout only guards against a hang: the property is "no thread left waiting", printed below
+    out = subprocess.run(
+        [sys.executable, "-c", DENY_STEP_10, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
+    )
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]  # no orbax/asyncio tracebacks before the error
+    assert "saving the checkpoint of step 10 failed" in lines[0] and "Permission denied" in lines[0]
+    assert "the newest good checkpoint is step 5" in lines[0]
+    assert "waiting threads: 0" in out.stdout
+    failed = [e for e in events(workdir) if e["event"] == "save_failed"]
+    assert [(e["step"], e["newest_checkpoint"]) for e in failed] == [(10, 5)]
+    assert (workdir / "checkpoints" / "5").is_dir()
+
+
+def test_a_failed_async_write_is_reported_for_its_own_step(tmp_path, monkeypatch):
+    """A write that fails in orbax's background thread (a full disk) surfaces at the next save or
+    wait, named for the step it belonged to, not for the step that found it."""
+    import errno
+
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+
+    from transformer.checkpoint import Checkpointer, SaveFailed
+    from transformer.config import CheckpointConfig
+
+    real = handler.JsonCheckpointHandler._save_fn
+
+    async def full_disk(self, x, directory):
+        if "/2.orbax-checkpoint-tmp" in str(directory):
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        return await real(self, x, directory)
+
+    monkeypatch.setattr(handler.JsonCheckpointHandler, "_save_fn", full_disk)
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(async_=True))
+    state = {"w": jax.numpy.ones(4)}
+    ckpt.save(1, state, {})
+    ckpt.save(2, state, {})
+    with pytest.raises(
+        SaveFailed, match=r"step 2 failed: OSError: .*No space left on device.*newest good checkpoint is step 1"
+    ):
+        ckpt.save(3, state, {})
+    with pytest.raises(SaveFailed, match="step 2 failed"):  # reported again, never waited on again
+        ckpt.wait()
+    ckpt.close()
+    assert ckpt.failed is not None and ckpt.failed.step == 2
+
+
+def garble(record: Path) -> None:
+    assert record.is_file()
+    record.write_text("garbage{")
+
+
+@pytest.mark.slow
+def test_garbage_in_a_kept_best_record_is_repaired_on_resume(corpus, cache, ten, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(ten, workdir)
+    record = workdir / "checkpoints" / "10" / "metrics" / "metrics"
+    garble(record)
+    run_logged(corpus, cache, workdir, "train.steps=15")
+    assert [e["step"] for e in events(workdir) if e["event"] == "resume"] == [10]
+    repaired = [e for e in events(workdir) if e["event"] == "checkpoint_metrics_repaired"]
+    assert [e["step"] for e in repaired] == [10] and "rewritten" in repaired[0]["action"]
+    assert json.loads(record.read_text())["val_loss"] == pytest.approx(val_losses(ten)[10])
+
+
+def test_garbage_in_a_kept_best_record_without_a_logged_loss_is_set_aside(tmp_path):
+    from transformer.checkpoint import Checkpointer
+    from transformer.config import CheckpointConfig
+
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(async_=False))
+    ckpt.save(1, {"w": jax.numpy.ones(4)}, {}, val_loss=2.0, wait=True)
+    ckpt.close()
+    record = tmp_path / "checkpoints" / "1" / "metrics" / "metrics"
+    garble(record)
+    reopened = Checkpointer(tmp_path, CheckpointConfig(async_=False))
+    assert reopened.steps() == [1] and reopened.manager.metrics(1) is None
+    reopened.close()
+    assert record.with_name("metrics.corrupt").read_text() == "garbage{"  # kept for inspection
+    assert [e["event"] for e in events(tmp_path)] == ["checkpoint_metrics_repaired"]
+
+
+def eval_cli(*argv):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "eval.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_eval_ignores_garbage_in_a_kept_best_record(ten, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(ten, workdir)
+    garble(workdir / "checkpoints" / "10" / "metrics" / "metrics")
+    out = eval_cli("--workdir", str(workdir), "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout)["step"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["truncated", "flipped"])
+def test_eval_falls_back_from_damaged_parameters(ten, tmp_path, how):
+    workdir = tmp_path / "run"
+    shutil.copytree(ten, workdir)
+    if how == "truncated":
+        damage(workdir / "checkpoints" / "10")
+    else:
+        flip_silently(workdir, 10)
+    out = eval_cli("--workdir", str(workdir), "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout)["step"] == 5
+    notes = [line for line in out.stderr.splitlines() if "step 10" in line]
+    assert len(notes) == 1 and "damaged" in notes[0] and "Traceback" not in out.stderr
+    named = eval_cli("--workdir", str(workdir), "--step", "10")
+    assert named.returncode == 2
+    lines = named.stderr.strip().splitlines()
+    assert len(lines) == 1 and "step 10" in lines[0] and "damaged" in lines[0], named.stderr[-3000:]
+    assert (workdir / "checkpoints" / "10").is_dir()  # a reader sets nothing aside

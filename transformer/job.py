@@ -174,7 +174,7 @@ def resume(
 ) -> tuple[TrainState, dict | None]:
     """The latest valid checkpoint, resharded onto `mesh`, and its monitor state; metrics logged
     after it are dropped (the resumed run logs them again)."""
-    start, meta = restore(Trainer(cfg, mesh), checkpointer, events.event)
+    start, meta = restore(Trainer(cfg, mesh), checkpointer, events.event, log)
     step = int(start.step)
     # at train.steps but not ended: killed after its final checkpoint (see `conclude`)
     if step > cfg.train.steps or (step == cfg.train.steps and rundir.status(workdir, step) in rundir.FINAL):
@@ -191,10 +191,13 @@ def resume(
     return start, meta.get("monitor")
 
 
-def restore(trainer: Trainer, checkpointer: Checkpointer, event: Callable[..., None]) -> tuple[TrainState, dict]:
-    """The latest valid checkpoint, resharded onto the trainer's mesh, and its JSON record."""
+def restore(
+    trainer: Trainer, checkpointer: Checkpointer, event: Callable[..., None], log: Callable[[str], None] | None = None
+) -> tuple[TrainState, dict]:
+    """The latest valid checkpoint, resharded onto the trainer's mesh, and its JSON record; each
+    damaged newer one is journaled and named in a line to `log` (process 0)."""
     _, restored, meta = checkpointer.restore(
-        trainer.abstract_state()._asdict(), on_bad=lambda s, why: event("checkpoint_corrupt", s, error=why)
+        trainer.abstract_state()._asdict(), on_bad=lambda s, why: event("checkpoint_corrupt", s, error=why), log=log
     )
     return TrainState(**restored), meta
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from transformer import rundir, sharding
-from transformer.checkpoint import Checkpointer, meta_record, state_is_finite
+from transformer.checkpoint import Checkpointer, SaveFailed, meta_record, state_is_finite
 from transformer.config import Config
 from transformer.data import Data
 from transformer.metrics import Progress, Throughput, device_peak_flops
@@ -108,7 +108,7 @@ class TrainLoop:
 
     # --- the step loop ----------------------------------------------------------------------------
     def run(self) -> RunResult:
-        """Train to `train.steps`; MonitorStop and Preempted end it early."""
+        """Train to `train.steps`; MonitorStop, Preempted and SaveFailed end it early."""
         cfg, mesh = self.cfg, self.mesh
         self.writer.event("start", self.step, devices=mesh.devices.size, mesh=dict(mesh.shape), peak_flops=self.peak)
         self.meter.restart(self.step)
@@ -118,6 +118,10 @@ class TrainLoop:
             self.finish()
         except MonitorStop as e:  # a result, not a crash: the sweep does not run it again, the report shows it
             self.writer.event("stopped", self.step, reason=str(e))
+            raise
+        except SaveFailed as e:  # the step whose write failed, and the checkpoint a rerun would resume from
+            step = e.step if e.step is not None else self.step
+            self.writer.event("save_failed", step, error=e.reason, newest_checkpoint=e.newest)
             raise
         finally:
             self.progress.close()
