@@ -58,10 +58,28 @@ def has_config(workdir: Path) -> bool:
 
 
 def read_config(workdir: Path) -> Config:
-    """The run's resolved config (a config.yaml written by this framework holds no `base:` links)."""
+    """The run's resolved config (a config.yaml written by this framework holds no `base:` links).
+    A file that cannot be read, is not UTF-8 YAML, is empty or does not validate is one ConfigError
+    naming it (eval.py and a resume both read it)."""
+    from transformer.config import ConfigError
     from transformer.config_loader import load_config
 
-    return load_config(workdir / CONFIG)
+    path = workdir / CONFIG
+    damaged = f"the run's config {path} is damaged"
+    try:
+        if not path.read_bytes().strip():  # a resolved config always has sections: not the defaults
+            raise ConfigError("", f"{damaged}: it is empty")
+        return load_config(path)
+    except OSError as e:
+        raise ConfigError("", f"cannot read the run's config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("", f"{damaged}: it is not UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError("", f"{damaged}: it is nested too deeply") from None
+    except ConfigError as e:
+        if str(path) in str(e):  # the loader's own message names the file (invalid YAML at a line)
+            raise
+        raise ConfigError("", f"{damaged}: {e}") from None
 
 
 def write_config(workdir: Path, cfg: Config) -> None:
