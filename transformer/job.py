@@ -25,7 +25,8 @@ def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunRe
     """The `train.py` job: resume checks, data, the resolved config, training, checkpoints, and a summary.
     The run directory is locked for the job's life (rundir.Busy when another process writes it)."""
     sharding.check_platform(cfg)  # refuse an impossible mesh, dtype, attention or size before any work
-    with writer_lock(workdir):
+    resume_changes(cfg, workdir)  # refuse an unsafe change before touching the directory (the lock file)
+    with writer_lock(workdir):  # ... and check again under the lock, in _run
         return _run(cfg, workdir, log)
 
 
