@@ -230,3 +230,15 @@ def test_a_prompt_the_bpe_cannot_take_is_one_line_naming_it():
 def test_a_shape_override_on_a_trained_run_is_one_line_not_an_orbax_traceback(trained, capsys):
     workdir, _ = trained
     expect_usage_error(capsys, ["--workdir", str(workdir), "model.d_model=64"], "model.d_model")
+
+
+def test_a_run_this_backend_cannot_run_is_refused_naming_the_override_that_would(tmp_path):
+    from transformer import rundir
+    from transformer.config import ConfigError
+    from transformer.evaluate import run_config
+
+    # a float16 run from a GPU, evaluated on a CPU, whose XLA has no float16 dot with float32 accumulation
+    rundir.write_config(tmp_path, load_config(None, ["model.dtype=float16"]))
+    with pytest.raises(ConfigError, match=r"model\.dtype: float16 compute is not supported on cpu"):
+        run_config(tmp_path, [])
+    assert run_config(tmp_path, ["model.dtype=float32"]).model.dtype == "float32"

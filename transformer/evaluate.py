@@ -24,6 +24,9 @@ def run_config(workdir: Path, overrides: list[str]) -> Config:
     saved = rundir.read_config(workdir)
     cfg = from_dict(apply_overrides(saved.to_dict(), overrides))
     check_parameter_shapes(saved, cfg)
+    # a run trained elsewhere (float16 or cuDNN attention on a GPU) may not run here: say which
+    # override would (model.dtype and model.attention_impl keep the parameters' shapes)
+    sharding.check_attention_support(cfg.model)
     return cfg
 
 
