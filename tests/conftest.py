@@ -87,6 +87,20 @@ def logged(workdir: Path, key: str) -> dict[int, float]:
 read_events = rundir.read_events
 
 
+def final_params(workdir: Path, step: int | None = None) -> list:
+    """The leaves of a run's parameters at its latest (or given) checkpoint."""
+    from transformer.checkpoint import load
+
+    _, model = load(workdir, step)
+    return jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
+
+
+def assert_bitwise_equal(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def tiny_run_overrides(corpus: Path, cache: Path, *extra: str) -> list[str]:
     """Overrides for a 2-layer, 32-wide model on a small JSONL corpus, logging every step to files
     only: the run the trainer, checkpoint and monitor tests train (each adds its own `extra`)."""

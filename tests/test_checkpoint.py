@@ -13,8 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, logged, read_events, tiny_run_overrides, write_corpus
-from flax import nnx
+from conftest import ROOT, assert_bitwise_equal, final_params, logged, read_events, tiny_run_overrides, write_corpus
 
 from transformer.checkpoint import CheckpointError, load
 from transformer.config import ConfigError
@@ -58,17 +57,6 @@ def val_losses(workdir: Path) -> dict[int, float]:
 
 
 events = read_events
-
-
-def final_params(workdir: Path, step=None):
-    _, model = load(workdir, step)
-    return jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
-
-
-def assert_bitwise_equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.fixture(scope="session")

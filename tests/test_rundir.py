@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY_SWEEP, tiny_run_overrides, write_corpus
+from conftest import ROOT, TINY_SWEEP, assert_bitwise_equal, final_params, tiny_run_overrides, write_corpus
 
 from transformer import rundir
 from transformer.config import ConfigError
@@ -130,26 +130,11 @@ def trajectory(workdir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rundir.read_metrics(workdir)]
 
 
-def final_params(workdir: Path):
-    import jax
-    from flax import nnx
-
-    from transformer.checkpoint import load
-
-    _, model = load(workdir)
-    return jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))
-
-
 def assert_same_run(workdir: Path, reference: Path):
     """Bitwise the same final parameters, and the same metrics file (apart from timings)."""
-    import numpy as np
-
     assert trajectory(workdir) == trajectory(reference)
     assert [r["step"] for r in rundir.read_metrics(workdir) if "loss" in r] == list(range(1, STEPS + 1))
-    a, b = final_params(workdir), final_params(reference)
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_bitwise_equal(final_params(workdir), final_params(reference))
 
 
 @pytest.fixture(scope="module")
