@@ -107,6 +107,7 @@ def test_recovery_replay_skips_cooldowns_and_faults(tmp_path):
     assert recovery.rollbacks == 2 and recovery.fired == {"lr"}
     # the second rollback (to 30) abandoned what the first recorded at 40
     assert recovery.skips == [(30, 5)] and recovery.cooldowns == []
+    assert recovery.targets == [30]  # a checkpoint a rollback returned to is not judged sound again
     assert [recovery.batch_index(s) for s in (29, 30, 31)] == [29, 35, 36]
     assert recovery.skipped_batches() == [30, 31, 32, 33, 34]
     two = Recovery()
@@ -355,3 +356,33 @@ def test_one_injected_spike_rolls_back_exactly_once(corpus, cache, tmp_path):
         corpus, cache, tmp_path / "run", *FALSE_SPIKES, "faults.lr_step=100", "faults.lr_multiplier=1000"
     )
     assert [r["to_step"] for r in events(workdir, "rollback")] == [100], events(workdir, "spike")
+
+
+# --- the rollback target (issue 18, "Monitor") ----------------------------------------------------
+
+# The loss logged at step d comes from the parameters after d - 1 updates on data batch d - 1: a spike
+# there is either a bad batch (checkpoint d - 1 is sound) or a bad update d - 1 (checkpoint d - 1
+# holds it). When checkpoint d - 1 exists, its parameters are judged on the batch of the last normal step.
+ROLLBACK = ("train.steps=50", "monitor.on_spike=rollback", "monitor.skip_batches=5", "checkpoint.async=false")
+
+
+def rollback_events(workdir: Path) -> list[dict]:
+    return [{k: e[k] for k in ("step", "to_step", "checkpoint_sound")} for e in events(workdir, "rollback")]
+
+
+@pytest.mark.slow
+def test_a_corrupt_batch_right_after_a_checkpoint_rolls_back_to_that_checkpoint(corpus, cache, tmp_path):
+    workdir = train_run(
+        corpus, cache, tmp_path / "run", *ROLLBACK, "faults.corrupt_step=40", "faults.corrupt_kind=repeated"
+    )
+    assert [e["step"] for e in events(workdir, "spike")][:1] == [41]
+    # checkpoint 40 holds clean parameters (batch 40 was trained after it): not 30
+    assert rollback_events(workdir) == [{"step": 40, "to_step": 40, "checkpoint_sound": True}]
+
+
+@pytest.mark.slow
+def test_a_bad_update_saved_in_the_checkpoint_rolls_back_past_it(corpus, cache, tmp_path):
+    workdir = train_run(corpus, cache, tmp_path / "run", *ROLLBACK, "faults.lr_step=39", "faults.lr_multiplier=3000")
+    assert [e["step"] for e in events(workdir, "spike")][:1] == [41]
+    # the update of step 39 (lr x3000) is in checkpoint 40: back to 30
+    assert rollback_events(workdir) == [{"step": 30, "to_step": 30, "checkpoint_sound": False}]

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from transformer import rundir, sharding
-from transformer.checkpoint import Checkpointer, SaveFailed, meta_record, state_is_finite
+from transformer.checkpoint import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
 from transformer.config import Config
 from transformer.data import Data
 from transformer.metrics import Progress, Throughput, device_peak_flops
@@ -94,6 +94,8 @@ class TrainLoop:
         self.saved = -1  # the step of the newest checkpoint this run wrote or rolled back to
         self.rollback_to: int | None = None  # a spike asked to roll back to this checkpoint
         self.spike_batch = 0  # the data batch of the last spike that asked for a rollback
+        self.judged: dict = {}  # how the rollback target was chosen, for the rollback event
+        self.restored: tuple | None = None  # (step, state, meta) of a checkpoint judged sound, kept for the rollback
 
     def _announce(self) -> float:
         """Log the model, devices, mesh and peak FLOP/s (process 0); returns the peak of one device."""
@@ -297,12 +299,48 @@ class TrainLoop:
         self.saved = done
 
     def rollback_target(self, spike_step: int) -> int | None:
-        """The newest checkpoint from before the spike, if any."""
-        # the loss logged at step d was computed with the parameters after d - 1 updates
+        """The newest checkpoint from before the cause of the spike, if any.
+
+        The loss logged at step d was computed with the parameters after d - 1 updates, on data
+        batch d - 1: a spike there comes from that batch (checkpoint d - 1 is sound) or from update
+        d - 1 (an lr spike: checkpoint d - 1 holds it), and step d alone cannot tell which. So a kept
+        checkpoint d - 1 is judged (`checkpoint_sound`); sound, it is the target, else the one before.
+        One a rollback already returned to is not judged again: a spike right after it convicts it."""
+        self.judged, self.restored = {"checkpoint_sound": None}, None
         if self.checkpointer is None:
             return None
-        earlier = [s for s in self.checkpointer.steps() if s < spike_step - 1]
+        last, steps = spike_step - 1, self.checkpointer.steps()
+        if last in steps and last not in self.recovery.targets:
+            if self.checkpoint_is_sound(last):
+                return last
+        earlier = [s for s in steps if s < last]
         return max(earlier) if earlier else None
+
+    def checkpoint_is_sound(self, step: int) -> bool:
+        """Do the parameters of checkpoint `step` keep the loss of the last normal step's batch (data
+        batch step - 1, the one its last update trained on) within the monitor's limit (mean +
+        threshold * std of the window)? One eval_step, on the clean batch; a sound state is kept for
+        the rollback. Everything it reads is a function of the trajectory, so a resumed run judges
+        alike (and a journaled rollback is replayed without judging again)."""
+        assert self.checkpointer is not None  # rollback_target asks only with checkpoints
+        limit = self.monitor.loss_limit(up_to=step)
+        self.judged = {"checkpoint_sound": False, "loss_limit": limit}
+        if limit is None:  # not warm: nothing to judge by, so the old rule (the one before)
+            return False
+        self.checkpointer.wait()
+        try:
+            restored = self.checkpointer.restore(self.trainer.abstract_state()._asdict(), step=step)[1:]
+        except CheckpointError:  # damaged: the rollback sets it aside with the rest
+            return False
+        index = self.recovery.batch_index(step - 1)
+        local = self.data.train_batch(index, jax.process_index(), jax.process_count())
+        batch = self.trainer.put_batch(local, self.cfg.train.batch_size)
+        nll, count = self.trainer.eval_step(restored[0]["params"], batch)
+        loss = float(nll) / float(count)
+        sound = math.isfinite(loss) and loss <= limit
+        self.judged.update(checkpoint_sound=sound, judged_loss=loss, judged_batch=index)
+        self.restored = (step, *restored) if sound else None
+        return sound
 
     def rollback(self, to: int) -> None:
         """Back to checkpoint `to`: later checkpoints are set aside, `skip_batches` batches skipped
@@ -310,7 +348,10 @@ class TrainLoop:
         m, checkpointer = self.cfg.monitor, self.checkpointer
         assert checkpointer is not None  # rollback_target found no checkpoint to return to without one
         checkpointer.wait()
-        _, restored, meta = checkpointer.restore(self.trainer.abstract_state()._asdict(), step=to)
+        if self.restored is not None and self.restored[0] == to:
+            _, restored, meta = self.restored  # judged sound by checkpoint_is_sound: not read twice
+        else:
+            _, restored, meta = checkpointer.restore(self.trainer.abstract_state()._asdict(), step=to)
         checkpointer.set_aside([s for s in checkpointer.steps() if s > to], "rolledback")
         skip = max(m.skip_batches, self.spike_batch - self.recovery.batch_index(to) + 1)
         self.writer.event(
@@ -321,11 +362,12 @@ class TrainLoop:
             cooldown=m.cooldown,
             lr_factor=m.lr_factor,
             rollbacks=self.recovery.rollbacks + 1,
+            **self.judged,
         )
         self.recovery.rollback(to, skip, m.cooldown, m.lr_factor)
         self.monitor = Monitor(m, meta.get("monitor"))
         self.pending.clear()
-        self.rollback_to, self.saved = None, to
+        self.rollback_to, self.saved, self.restored, self.judged = None, to, None, {}
         self.meter.restart(to)
         if self.lead:
             self.log(f"rolled back to step {to}; skipping {skip} batches")

@@ -9,8 +9,9 @@ to the step), keeps rolling statistics over `monitor.window` normal steps, and c
 - `divergence`: loss above its first value for `monitor.divergence_steps` steps in a row.
 
 Recovery (`monitor.on_spike`): `log` records; `skip` hands limits to the jitted step, which then drops
-updates above them (moments untouched); `rollback` restores the last checkpoint before the spike,
-skips `monitor.skip_batches` data batches and optionally cools the learning rate down.
+updates above them (moments untouched); `rollback` restores the last checkpoint before the spike's
+cause (`TrainLoop.rollback_target`), skips `monitor.skip_batches` data batches and optionally cools
+the learning rate down.
 
 Fault injection (`faults.*`: a learning-rate spike, a corrupt batch, NaN gradients) lives here too,
 beside the recovery it exercises: each fault fires once per run (`Faults`).
@@ -108,6 +109,15 @@ class Monitor:
         k = self.cfg.threshold
         return lm + k * ls, math.exp(gm + k * gs)
 
+    def loss_limit(self, up_to: int) -> float | None:
+        """mean + threshold * std of the losses of the window's steps <= up_to (whatever `on_spike`
+        is); None while the window is not warm. A rollback judges a checkpoint's parameters by it."""
+        stats = self._stats(up_to)
+        if stats is None:
+            return None
+        (mean, std), _ = stats
+        return mean + self.cfg.threshold * std
+
     def observe(self, step: int, loss: float, grad_norm: float, applied: bool = True) -> Anomaly | None:
         """Classify one step; normal steps enter the window, anomalies do not (a spike must not
         widen the band that detects the next one). A step the jitted step did not apply counts as a
@@ -148,17 +158,21 @@ class Recovery:
 
     skips: (from_step, count): from `from_step` on, data batch indices are shifted by `count`.
     cooldowns: (from_step, until_step, factor): the learning rate is scaled by `factor` in between.
+    targets: the steps rollbacks returned to (a spike right after returning to one convicts it).
     """
 
     rollbacks: int = 0
     skips: list = dataclasses.field(default_factory=list)
     cooldowns: list = dataclasses.field(default_factory=list)
     fired: set = dataclasses.field(default_factory=set)
+    targets: list = dataclasses.field(default_factory=list)
 
     def rollback(self, to_step: int, skip_batches: int, cooldown: int, lr_factor: float) -> None:
         # anything recorded after the restored step belonged to the abandoned trajectory
         self.skips = [s for s in self.skips if s[0] <= to_step]
         self.cooldowns = [c for c in self.cooldowns if c[0] <= to_step]
+        # a later target's checkpoint is set aside, and the step may be saved afresh on this trajectory
+        self.targets = [t for t in self.targets if t < to_step] + [to_step]
         if skip_batches:
             self.skips.append((to_step, skip_batches))
         if cooldown and lr_factor != 1.0:
