@@ -1060,3 +1060,147 @@ def test_a_files_error_is_one_stderr_line(tmp_path, kind):
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.source:" in lines[0] and "cannot read" in lines[0], out.stderr
+
+
+# --- one large document: the split by position -----------------------------------------------------
+
+
+def novel(n_bytes: int, seed: int = 0) -> str:
+    """ASCII prose of about `n_bytes` (one character per byte token): sentences in lines, and
+    paragraphs separated by blank lines."""
+    rng = np.random.default_rng(seed)
+    words = "the of and to in is was for on that with as by at from his her it an were are which".split()
+    paragraphs, size = [], 0
+    while size < n_bytes:
+        lines = [" ".join(rng.choice(words, int(rng.integers(5, 15)))) + "." for _ in range(int(rng.integers(1, 6)))]
+        paragraphs.append("\n".join(lines))
+        size += len(paragraphs[-1]) + 2
+    return "\n\n".join(paragraphs) + "\n"
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory):
+    """One ~1 MB .txt file: one document, which no hash split can divide."""
+    path = tmp_path_factory.mktemp("novel") / "input.txt"
+    path.write_text(novel(1 << 20))
+    return path
+
+
+def test_one_large_file_is_split_by_position_and_windows_never_overlap(big_file, tmp_path):
+    text = big_file.read_text()
+    cfg = config(f"files:{big_file}", tmp_path / "cache")  # the default val_fraction, 0.01
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert D.split_rule(cfg) == D.POSITION and data.summary["split"] == D.POSITION
+    cut = len(text) - round(len(text) * cfg.val_fraction)
+    np.testing.assert_array_equal(data.train.tokens, stream_of([text[:cut]]))
+    np.testing.assert_array_equal(data.val.tokens, stream_of([text[cut:]]))
+    assert data.summary["val_tokens"] / (data.summary["train_tokens"] + data.summary["val_tokens"]) == pytest.approx(
+        0.01, abs=1e-4
+    )
+    # by position in the document: every training window reads [0, cut), every validation window [cut, end)
+    T = cfg.seq_len
+    train_ends = [k * T + T for k in range(data.train.count)]  # the last document position a window reads
+    val_starts = [cut + k * T for k in data.val_window_ids]
+    assert max(train_ends) <= cut and min(val_starts) >= cut  # position `cut` in the train stream is its EOS
+    for k in (0, data.train.count - 1):
+        window = data.train.batch(np.array([k]))["inputs"][0]
+        assert bytes(window.astype(np.uint8)) == text[k * T : k * T + T].encode()
+    for k in data.val_window_ids[[0, -1]]:
+        window = data.val.batch(np.array([k]))["inputs"][0]
+        assert bytes(window.astype(np.uint8)) == text[cut + k * T : cut + k * T + T].encode()
+
+
+def test_a_multi_document_corpus_keeps_its_hash_split_and_cache_key(corpus, tmp_path):
+    """The hash split of 120 documents at the default val_fraction puts 2.6x the asked share of the
+    text into validation: within HASH_TOLERANCE, so kept, under the key it had before split rules."""
+    cfg = config(corpus["source"], tmp_path / "cache")
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert D.split_rule(cfg) == D.HASH and data.summary["split"] == D.HASH
+    rules = dict(text_field="text", train="train", val="validation", val_fraction=0.01)
+    old_key = D._digest(
+        dict(version=2, source=D.source_fingerprint(cfg), tokenizer=D.ByteTokenizer().fingerprint, split=rules)
+    )
+    assert data.cache_path.name == old_key == D.cache_key(cfg, D.ByteTokenizer())
+    val = [d for d in corpus["docs"] if D._hash_fraction(d) < 0.01]
+    np.testing.assert_array_equal(data.val.tokens, stream_of(val))
+
+
+def test_uneven_documents_fall_back_to_position(tmp_path):
+    """Three documents, one of them 97% of the text: no hash split gives val 1% of it."""
+    docs = [novel(50_000, seed=1), "a short note on the side.", "another short note."]
+    write_jsonl(tmp_path / "src" / "a.jsonl", docs)
+    cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache")
+    splits = D.load_splits(cfg)
+    assert D.split_rule(cfg) == D.POSITION
+    cuts = [len(d) - round(len(d) * 0.01) for d in docs]
+    assert texts(splits["train"]) == [d[:c] for d, c in zip(docs, cuts)]
+    assert texts(splits["val"]) == [d[c:] for d, c in zip(docs, cuts) if d[c:]]
+
+
+def test_the_position_cache_is_found_without_reading_the_source(big_file, tmp_path, monkeypatch):
+    cfg = config(f"files:{big_file}", tmp_path / "cache")
+    first = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert json.loads((first.cache_path / "meta.json").read_text())["split"] == D.POSITION
+    assert (
+        first.cache_path.name
+        == D.cache_key(cfg, D.ByteTokenizer(), D.POSITION)
+        != D.cache_key(cfg, D.ByteTokenizer(), D.HASH)
+    )
+    restart()
+    monkeypatch.setattr(D, "_documents", lambda cfg: pytest.fail("read the source although its cache is complete"))
+    messages = []
+    second = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
+    assert second.cache_path == first.cache_path and second.summary == first.summary and not messages
+
+
+def test_the_startup_line_gives_sizes_rule_and_epochs(big_file, corpus, tmp_path):
+    messages = []
+    cfg = config(f"files:{big_file}", tmp_path / "cache", seq_len=64)
+    data = D.prepare(cfg, batch_size=8, seed=0, log=quiet(messages), steps=100)
+    (line,) = [m for m in messages if m.startswith("data: ")]
+    s = data.summary
+    assert f"train {s['train_tokens']:,} tokens (1 documents)" in line and f"val {s['val_tokens']:,} tokens" in line
+    assert "split by position" in line and "repeats" not in line
+    assert f"{100 * 8 * 64 / s['train_tokens']:.3g} epochs" in line
+    messages.clear()
+    small = config(corpus["source"], tmp_path / "cache", val_fraction=0.2)
+    data = D.prepare(small, batch_size=8, seed=0, log=quiet(messages), steps=1000)
+    (line,) = [m for m in messages if m.startswith("data: ")]
+    epochs = 1000 * 8 * 16 / data.summary["train_tokens"]
+    assert epochs > D.REPEAT_WARNING and "split by content hash" in line and f"~{epochs:.0f} times" in line
+
+
+def _tiny_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_CACHE=str(tmp_path / "hf"))
+    args = [
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=32",
+        "data.val_windows=4",
+        "model.d_model=32",
+        "model.n_layers=1",
+        "model.n_heads=2",
+        "model.n_kv_heads=2",
+        "train.batch_size=4",
+        "train.steps=3",
+        "train.eval_every=3",
+        "checkpoint.every=3",
+        "logging.every=1",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        *overrides,
+    ]
+    cmd = [sys.executable, "train.py", *args, "--workdir", str(tmp_path / "run")]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_one_big_text_file_trains_and_validates_from_the_cli(big_file, tmp_path):
+    from transformer import rundir
+
+    out = _tiny_cli(tmp_path, f"data.source=files:{big_file}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [m for m in out.stdout.splitlines() if m.startswith("data: ")]
+    assert "split by position" in line and "3 steps of 4 x 32 tokens" in line
+    (start,) = [e for e in rundir.read_events(tmp_path / "run") if e["event"] == "start"]
+    assert start["data"]["split"] == D.POSITION and start["data"]["val_tokens"] > 0
+    assert any("val_loss" in r and np.isfinite(r["val_loss"]) for r in rundir.read_metrics(tmp_path / "run"))

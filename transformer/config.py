@@ -290,28 +290,30 @@ class DataSource:
     recall: RecallTask | None = None  # builtin:recall: the task its options describe
 
     @classmethod
-    def parse(cls, text: str) -> DataSource:
-        """Parse and check a source string; a mistake is a ConfigError on the key `source`."""
+    def parse(cls, text: str, key: str = "source") -> DataSource:
+        """Parse and check a source string; a mistake is a ConfigError on `key` (source, val_source)."""
         kind, _, arg = text.partition(":")
         if kind == "hf":
             name, _, config = arg.partition(":")
+            _check(bool(name), key, f"names no dataset: {text!r} (hf:NAME[:CONFIG])")
             return cls(text, "hf", name=name, config=config or None)
         if kind == "files":
+            _check(bool(arg), key, f"names no path: {text!r} (files:PATH or files:GLOB)")
             return cls(text, "files", glob=arg)
-        _check(kind == "builtin", "source", f"must start with builtin:, hf: or files:, got {text!r}")
-        return cls._parse_builtin(text, arg)
+        _check(kind == "builtin", key, f"must start with builtin:, hf: or files:, got {text!r}")
+        return cls._parse_builtin(text, arg, key)
 
     @classmethod
-    def _parse_builtin(cls, text: str, arg: str) -> DataSource:
+    def _parse_builtin(cls, text: str, arg: str, key: str) -> DataSource:
         corpus, _, options = arg.partition(":")
-        _check(corpus in BUILTINS, "source", f"unknown builtin corpus {arg!r} (builtin:{', builtin:'.join(BUILTINS)})")
+        _check(corpus in BUILTINS, key, f"unknown builtin corpus {arg!r} (builtin:{', builtin:'.join(BUILTINS)})")
         if corpus != "recall":
-            _check(not options, "source", f"builtin:{corpus} takes no options, got {options!r}")
+            _check(not options, key, f"builtin:{corpus} takes no options, got {options!r}")
             return cls(text, "builtin", name=corpus)
         try:
             task = RecallTask.parse(options)
         except ValueError as e:
-            raise ConfigError("source", f"{text}: {e}") from None
+            raise ConfigError(key, f"{text}: {e}") from None
         return cls(text, "builtin", name=corpus, recall=task)
 
 
@@ -328,6 +330,9 @@ class DataConfig:
     val_windows: int = 128  # the fixed validation windows every evaluation uses
     document_mask: bool = False
     cache_dir: str | None = None
+    # splits each document's text (a whole .txt file, a row's text field) into documents, e.g. "\n\n"
+    document_separator: str | None = None
+    val_source: str | None = None  # validate on this source (any data.source spec) instead of a split
 
     def __post_init__(self) -> None:
         _check_ints(self)
@@ -336,6 +341,13 @@ class DataConfig:
         _check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
         _check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1), got {self.val_fraction}")
         DataSource.parse(self.source)
+        if self.val_source is not None:
+            DataSource.parse(self.val_source, "val_source")
+        _check(
+            self.document_separator is None or self.document_separator != "",
+            "document_separator",
+            "must not be empty (null: each .txt file or row is one document)",
+        )
         _check(
             self.tokenizer in ("byte", "bpe") or self.tokenizer.startswith("pretrained:"),
             "tokenizer",

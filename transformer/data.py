@@ -41,6 +41,13 @@ from transformer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, Tokeniz
 
 # 2: rows without text are left out (version 1 kept them as empty documents)
 CACHE_VERSION = 2
+# How a source's documents are divided between training and validation (the token cache records it):
+SOURCE = "source"  # the source's own validation split (data.val_split)
+HASH = "hash"  # by content hash, val_fraction of the documents
+POSITION = "position"  # the last val_fraction of each document's characters
+VAL_SOURCE = "val_source"  # data.val_source validates; the training source is all training
+HASH_TOLERANCE = 4.0  # a hash split whose val share of the text is off by more than this factor is not used
+REPEAT_WARNING = 10.0  # a run that would see its training split more often than this says so
 TOKENIZER_FILE = "tokenizer.json"
 BPE_TRAIN_BYTES = 64 << 20  # a BPE is trained on at most this much of the training split
 # More rows than this without text (missing or null) is the wrong data.text_field, not a few gaps.
@@ -337,9 +344,18 @@ def rows_without_text(cfg: DataConfig) -> tuple[int, int]:
     return _loaded(cfg)[1]
 
 
-def _loaded(cfg: DataConfig) -> tuple[dict, tuple[int, int]]:
-    # keyed by the files' fingerprint too: edited files are read again, not served from memory
-    return _load_splits(cfg, source_fingerprint(cfg) if cfg.source_spec.kind == "files" else "")
+def split_rule(cfg: DataConfig) -> str:
+    """How the source's documents were divided between training and validation: SOURCE, HASH,
+    POSITION or VAL_SOURCE (see `_divide`)."""
+    return _loaded(cfg)[2]
+
+
+def _loaded(cfg: DataConfig) -> tuple[dict, tuple[int, int], str]:
+    # keyed by the files' fingerprints too: edited files are read again, not served from memory
+    fingerprint = source_fingerprint(cfg) if cfg.source_spec.kind == "files" else ""
+    if cfg.val_source is not None and DataSource.parse(cfg.val_source).kind == "files":
+        fingerprint += "+" + _val_fingerprint(cfg)
+    return _load_splits(cfg, fingerprint)
 
 
 def _text_rows(cfg: DataConfig, split, name: str):
@@ -372,51 +388,158 @@ def _text_rows(cfg: DataConfig, split, name: str):
     return (split if keep is None or len(keep) == total else split.select(keep)), missing
 
 
-@functools.lru_cache(maxsize=4)
-def _load_splits(cfg: DataConfig, fingerprint: str) -> tuple[dict, tuple[int, int]]:
+def _as_dict(loaded):
     import datasets
 
-    loaded = _documents(cfg)
-    if isinstance(loaded, datasets.Dataset):
-        loaded = datasets.DatasetDict({"train": loaded})
-    if cfg.train_split not in loaded:
-        raise DataError(f"data.train_split: {cfg.train_split!r} is not a split of {cfg.source} ({', '.join(loaded)})")
-    train = loaded[cfg.train_split]
-    if cfg.text_field not in train.column_names:
+    return datasets.DatasetDict({"train": loaded}) if isinstance(loaded, datasets.Dataset) else loaded
+
+
+def _check_text_field(cfg: DataConfig, split) -> None:
+    if cfg.text_field not in split.column_names:
         raise DataError(
             f"data.text_field: {cfg.text_field!r} is not a column of {cfg.source} "
-            f"(columns: {', '.join(train.column_names)})"
+            f"(columns: {', '.join(split.column_names)})"
         )
-    rows = len(train)
-    train, dropped = _text_rows(cfg, train, cfg.train_split)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_splits(cfg: DataConfig, fingerprint: str) -> tuple[dict, tuple[int, int], str]:
+    loaded = _as_dict(_documents(cfg))
+    if cfg.train_split not in loaded:
+        raise DataError(f"data.train_split: {cfg.train_split!r} is not a split of {cfg.source} ({', '.join(loaded)})")
+    _check_text_field(cfg, loaded[cfg.train_split])
+    rows = len(loaded[cfg.train_split])
+    train, dropped = _text_rows(cfg, loaded[cfg.train_split], cfg.train_split)
+    train = _separate(cfg, train)
+    if cfg.val_source is not None:  # the training source is all training
+        val = _val_source_documents(cfg)
+        _check_splits(cfg, train, val, VAL_SOURCE)
+        return {"train": train, "val": val}, (dropped, rows), VAL_SOURCE
     if cfg.val_split in loaded:
         val, dropped_val = _text_rows(cfg, loaded[cfg.val_split], cfg.val_split)
         rows, dropped = rows + len(loaded[cfg.val_split]), dropped + dropped_val
-        _check_splits(cfg, train, val, hashed=False)
-    else:
-        train, val = _hash_split(cfg, train)
-        _check_splits(cfg, train, val, hashed=True)
-    return {"train": train, "val": val}, (dropped, rows)
+        val = _separate(cfg, val)
+        _check_splits(cfg, train, val, SOURCE)
+        return {"train": train, "val": val}, (dropped, rows), SOURCE
+    train, val, rule = _divide(cfg, train)
+    return {"train": train, "val": val}, (dropped, rows), rule
+
+
+def _separate(cfg: DataConfig, split):
+    """Each document split on data.document_separator into documents; pieces that are empty or only
+    whitespace are left out, the others kept verbatim. Only the text column is kept."""
+    sep, field = cfg.document_separator, cfg.text_field
+    if sep is None:
+        return split
+
+    def pieces(batch):
+        return {field: [p for text in batch[field] for p in text.split(sep) if p.strip()]}
+
+    return split.map(pieces, batched=True, remove_columns=split.column_names, keep_in_memory=True)
+
+
+def _divide(cfg: DataConfig, docs):
+    """(train, val, rule) for a source without a validation split of its own. By content hash
+    (a document, and any copy of it, on one side only) when that gives each side a share of the
+    characters within a factor HASH_TOLERANCE of the one asked for (val_fraction; 1 - val_fraction);
+    else, as with one or a few large documents, by position: the last val_fraction of each
+    document's characters is validation, the rest training. val_fraction 0 keeps the hash rule (and
+    its error: nothing to validate on)."""
+    train, val, share = _hash_split(cfg, docs)
+    f = cfg.val_fraction
+    balanced = len(train) and len(val) and f / HASH_TOLERANCE <= share <= f * HASH_TOLERANCE
+    if f == 0 or (balanced and 1 - share >= (1 - f) / HASH_TOLERANCE):
+        _check_splits(cfg, train, val, HASH)
+        return train, val, HASH
+    train, val = _position_split(cfg, docs)
+    _check_splits(cfg, train, val, POSITION)
+    return train, val, POSITION
 
 
 def _hash_split(cfg: DataConfig, train):
-    """(train, val) split by content hash: a document (and any copy of it) lands on one side only."""
+    """(train, val, val's share of the characters) split by content hash."""
     fraction = cfg.val_fraction
-    is_val = [_hash_fraction(t if isinstance(t, str) else "") < fraction for t in train[cfg.text_field]]
+    texts = [t if isinstance(t, str) else "" for t in train[cfg.text_field]]
+    is_val = [_hash_fraction(t) < fraction for t in texts]
     val = train.select([i for i, v in enumerate(is_val) if v])
-    return train.select([i for i, v in enumerate(is_val) if not v]), val
+    total = sum(len(t) for t in texts)
+    share = sum(len(t) for t, v in zip(texts, is_val) if v) / total if total else 0.0
+    return train.select([i for i, v in enumerate(is_val) if not v]), val, share
 
 
-def _check_splits(cfg: DataConfig, train, val, hashed: bool) -> None:
-    """Both splits must hold documents; say whether val_fraction or the source is to blame."""
+def _position_split(cfg: DataConfig, docs):
+    """(train, val): each document cut in two, its last val_fraction of characters (rounded) to
+    validation. Empty pieces are left out. Only the text column is kept."""
+    import datasets
+
+    heads, tails = [], []
+    for text in docs[cfg.text_field]:
+        cut = len(text) - round(len(text) * cfg.val_fraction)
+        heads.append(text[:cut])
+        tails.append(text[cut:])
+    field = cfg.text_field
+    return tuple(datasets.Dataset.from_dict({field: [p for p in ps if p]}) for ps in (heads, tails))
+
+
+def _check_splits(cfg: DataConfig, train, val, rule: str) -> None:
+    """Both splits must hold documents; say whether val_fraction, val_source or the source is to blame."""
+    total = len(train) + len(val)
     for name, split in (("train", train), ("val", val)):
-        if len(split) == 0 and hashed and len(train) + len(val) > 0:
+        if len(split) == 0 and rule == HASH and total > 0:
             raise DataError(
                 f"data.val_fraction: {cfg.val_fraction} leaves the {name} split of {cfg.source} with none of its "
-                f"{len(train) + len(val)} documents (or give the source a {cfg.val_split!r} split)"
+                f"{total} documents (or give the source a {cfg.val_split!r} split)"
             )
+        if len(split) == 0 and rule == POSITION and total > 0:
+            raise DataError(
+                f"data.val_fraction: {cfg.val_fraction} of each document of {cfg.source} leaves its {name} split "
+                "empty (its documents are too short): raise data.val_fraction or give the source a validation split"
+            )
+        if len(split) == 0 and rule == VAL_SOURCE and name == "val":
+            raise DataError(f"data.val_source: {cfg.val_source} has no documents")
         if len(split) == 0:
             raise DataError(f"data.source: the {name} split of {cfg.source} has no documents")
+
+
+@contextlib.contextmanager
+def _naming_val_source():
+    """Errors about the validation source's contents name data.val_source, not data.source."""
+    try:
+        yield
+    except DataError as e:
+        message = str(e)
+        if message.startswith("data.source:"):
+            raise DataError("data.val_source:" + message.removeprefix("data.source:")) from None
+        raise
+
+
+def _val_config(cfg: DataConfig) -> DataConfig:
+    assert cfg.val_source is not None
+    return dataclasses.replace(cfg, source=cfg.val_source, val_source=None)
+
+
+def _val_source_documents(cfg: DataConfig):
+    """The documents of data.val_source: its validation split if it has one, else its training split."""
+    vcfg = _val_config(cfg)
+    with _naming_val_source():
+        loaded = _as_dict(_documents(vcfg))
+        name = next((n for n in (cfg.val_split, cfg.train_split) if n in loaded), None)
+        if name is None:
+            raise DataError(
+                f"data.val_source: {cfg.val_source} has neither a {cfg.val_split!r} nor a {cfg.train_split!r} split "
+                f"({', '.join(loaded)})"
+            )
+        _check_text_field(vcfg, loaded[name])
+        val, _ = _text_rows(vcfg, loaded[name], name)
+        return _separate(cfg, val)
+
+
+def _val_fingerprint(cfg: DataConfig) -> str:
+    vcfg = _val_config(cfg)
+    with _naming_val_source():
+        if vcfg.source_spec.kind == "hf":
+            return "hf-" + "-".join(ds._fingerprint for ds in _as_dict(_documents(vcfg)).values())
+        return source_fingerprint(vcfg)
 
 
 # --- tokenizer -----------------------------------------------------------------------------------
@@ -438,7 +561,12 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> To
         except TokenizerError as e:
             raise DataError(str(e)) from None
     else:
-        key = _digest({"bpe": cfg.vocab_size, "source": source_fingerprint(cfg), "split": _split_rules(cfg)})
+        source = source_fingerprint(cfg)
+        key = _cached_key(
+            cfg,
+            lambda rules: _digest({"bpe": cfg.vocab_size, "source": source, "split": rules}),
+            lambda key: (cache_dir / f"bpe-{key}.json").is_file(),
+        )
         saved = cache_dir / f"bpe-{key}.json"
         if saved.is_file():
             tok = HFTokenizer(saved.read_text())
@@ -472,19 +600,39 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _split_rules(cfg: DataConfig) -> dict:
-    return dict(text_field=cfg.text_field, train=cfg.train_split, val=cfg.val_split, val_fraction=cfg.val_fraction)
-
-
-def cache_key(cfg: DataConfig, tokenizer: Tokenizer) -> str:
-    return _digest(
-        dict(
-            version=CACHE_VERSION,
-            source=source_fingerprint(cfg),
-            tokenizer=tokenizer.fingerprint,
-            split=_split_rules(cfg),
-        )
+def _split_rules(cfg: DataConfig, rule: str = HASH) -> dict:
+    rules: dict = dict(
+        text_field=cfg.text_field, train=cfg.train_split, val=cfg.val_split, val_fraction=cfg.val_fraction
     )
+    # only what differs from the defaults is added, so the caches made before these options keep their keys
+    if cfg.document_separator is not None:
+        rules["separator"] = cfg.document_separator
+    if cfg.val_source is not None:
+        rules["val_source"] = _val_fingerprint(cfg)
+    if rule == POSITION:
+        rules["rule"] = POSITION
+    return rules
+
+
+def _cached_key(cfg: DataConfig, make: Callable[[dict], str], complete: Callable[[str], bool]) -> str:
+    """The key `make(split rules)` of this config's cached product (token cache, BPE). The split
+    rule is a function of the source's contents, which the source fingerprint in every key pins, so
+    a complete product under either rule's key is this config's, found without reading the source."""
+    if cfg.val_source is None:
+        for rule in (HASH, POSITION):
+            if complete(key := make(_split_rules(cfg, rule))):
+                return key
+    return make(_split_rules(cfg, split_rule(cfg)))
+
+
+def cache_key(cfg: DataConfig, tokenizer: Tokenizer, rule: str | None = None) -> str:
+    """The token cache's key; `rule` (see `split_rule`) is found by reading the source if not given."""
+    rules = _split_rules(cfg, split_rule(cfg) if rule is None else rule)
+    return _token_key(source_fingerprint(cfg), tokenizer, rules)
+
+
+def _token_key(source: str, tokenizer: Tokenizer, rules: dict) -> str:
+    return _digest(dict(version=CACHE_VERSION, source=source, tokenizer=tokenizer.fingerprint, split=rules))
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -515,7 +663,10 @@ def _clean_partials(cache_dir: Path, key: str) -> None:
 
 def build_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path, log: Callable[[str], None] = print) -> Path:
     """Tokenise both splits into `cache_dir/<key>/` unless a complete cache is there already."""
-    key = cache_key(cfg, tokenizer)
+    source = source_fingerprint(cfg)
+    key = _cached_key(
+        cfg, lambda rules: _token_key(source, tokenizer, rules), lambda key: _is_complete(cache_dir / key)
+    )
     final = cache_dir / key
     if _is_complete(final):
         return final
@@ -540,6 +691,7 @@ def build_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path, log: Cal
         for name, split in load_splits(cfg).items():
             meta[name] = _tokenise_split(split, cfg.text_field, tokenizer, dtype, partial / f"{name}.bin")
         meta["rows_without_text"], meta["rows"] = rows_without_text(cfg)
+        meta["split"] = split_rule(cfg)
         (partial / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(partial, final)
@@ -654,6 +806,9 @@ class Data:
     val_window_ids: np.ndarray
     val_bytes_per_token: float
     cache_path: Path
+    # how the source was divided (SOURCE, HASH, POSITION, VAL_SOURCE) and the sizes of the splits:
+    # the `data` field of the run's start event
+    summary: dict = dataclasses.field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -682,9 +837,15 @@ class Data:
 
 
 def prepare(
-    cfg: DataConfig, batch_size: int, seed: int, workdir: Path | None = None, log: Callable[[str], None] = print
+    cfg: DataConfig,
+    batch_size: int,
+    seed: int,
+    workdir: Path | None = None,
+    log: Callable[[str], None] = print,
+    steps: int | None = None,
 ) -> Data:
-    """Load (or build) the token cache for `cfg` and set up deterministic train and val batches."""
+    """Load (or build) the token cache for `cfg` and set up deterministic train and val batches.
+    Given a run's `steps`, logs its start-up line (see `startup_line`)."""
     cache_dir = cache_directory(cfg)
     tokenizer = make_tokenizer(cfg, workdir, cache_dir)
     path = build_cache(cfg, tokenizer, cache_dir, log)
@@ -698,17 +859,11 @@ def prepare(
     streams = {s: np.memmap(path / f"{s}.bin", dtype=dtype, mode="r") for s in ("train", "val")}
     train = Windows(streams["train"], cfg.seq_len, tokenizer.eos_id, cfg.document_mask)
     val = Windows(streams["val"], cfg.seq_len, tokenizer.eos_id, cfg.document_mask)
-    need = batch_size * cfg.seq_len + 1
-    if train.count < batch_size:
-        raise DataError(
-            f"data.source: the training split of {cfg.source} has {len(streams['train']):,} tokens; "
-            f"one global batch of {batch_size} x {cfg.seq_len} needs {need:,}"
-        )
-    if val.count < 1:
-        raise DataError(
-            f"data.val_fraction: the validation split of {cfg.source} has {len(streams['val']):,} tokens, "
-            f"fewer than one window of {cfg.seq_len + 1}"
-        )
+    _check_sizes(cfg, train, val, batch_size)
+    rule = meta.get("split") or split_rule(cfg)  # a cache made before the rule was recorded: ask the source
+    summary = dict(split=rule, **{f"{s}_{n}": meta[s][n] for s in ("train", "val") for n in ("tokens", "documents")})
+    if steps is not None:  # a training run's start-up line (eval and tests leave it out)
+        log(startup_line(cfg, summary, batch_size, steps))
     # evenly spaced over the whole validation split, independent of the run's seed and batch size
     n_val = min(cfg.val_windows, val.count)
     val_ids = np.unique(np.linspace(0, val.count - 1, n_val).round().astype(np.int64))
@@ -720,4 +875,45 @@ def prepare(
         val_window_ids=val_ids,
         val_bytes_per_token=meta["val"]["bytes"] / max(1, meta["val"]["tokens"]),
         cache_path=path,
+        summary=summary,
     )
+
+
+def _check_sizes(cfg: DataConfig, train: Windows, val: Windows, batch_size: int) -> None:
+    need = batch_size * cfg.seq_len + 1
+    if train.count < batch_size:
+        raise DataError(
+            f"data.source: the training split of {cfg.source} has {len(train.tokens):,} tokens; "
+            f"one global batch of {batch_size} x {cfg.seq_len} needs {need:,}"
+        )
+    if val.count < 1:
+        key, what = (
+            ("val_source", cfg.val_source)
+            if cfg.val_source
+            else ("val_fraction", f"the validation split of {cfg.source}")
+        )
+        raise DataError(
+            f"data.{key}: {what} has {len(val.tokens):,} tokens, fewer than one window of {cfg.seq_len + 1}"
+        )
+
+
+def startup_line(cfg: DataConfig, summary: dict, batch_size: int, steps: int) -> str:
+    """Tokens and documents per split, the rule that made them, and how many times a run of `steps`
+    goes over its training split (said plainly above REPEAT_WARNING)."""
+    f, rule = cfg.val_fraction, summary["split"]
+    how = {
+        SOURCE: f"the source's own {cfg.val_split!r} split validates",
+        HASH: f"split by content hash ({f:g} of the documents validate)",
+        POSITION: f"split by position: the last {100 * f:g}% of each document's characters validates (a hash split of so few or so "
+        "uneven documents would leave a side empty or far off val_fraction)",
+        VAL_SOURCE: f"data.val_source {cfg.val_source} validates",
+    }[rule]
+    line = (
+        f"data: {cfg.source}: train {summary['train_tokens']:,} tokens ({summary['train_documents']:,} documents), "
+        f"val {summary['val_tokens']:,} tokens ({summary['val_documents']:,} documents); {how}"
+    )
+    epochs = steps * batch_size * cfg.seq_len / summary["train_tokens"]
+    line += f"; {steps:,} steps of {batch_size} x {cfg.seq_len} tokens make {epochs:.3g} epochs of the training split"
+    if epochs > REPEAT_WARNING:
+        line += f": it repeats each training token ~{epochs:.0f} times, expect memorisation (more data or fewer steps)"
+    return line

@@ -61,7 +61,8 @@ def _run(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult:
     check_writable(ckpt_dir)
     leftovers = partial_writes(ckpt_dir)
 
-    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, workdir, log=log if lead else lambda _: None)
+    lead_log = log if lead else lambda _: None
+    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, workdir, log=lead_log, steps=cfg.train.steps)
     cfg = cfg.with_vocab(data.vocab_size)
     mesh = sharding.make_mesh(cfg)
     checkpointer = Checkpointer(workdir, cfg.checkpoint)

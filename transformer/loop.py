@@ -112,7 +112,14 @@ class TrainLoop:
     def run(self) -> RunResult:
         """Train to `train.steps`; MonitorStop, Preempted and SaveFailed end it early."""
         cfg, mesh = self.cfg, self.mesh
-        self.writer.event("start", self.step, devices=mesh.devices.size, mesh=dict(mesh.shape), peak_flops=self.peak)
+        self.writer.event(
+            "start",
+            self.step,
+            devices=mesh.devices.size,
+            mesh=dict(mesh.shape),
+            peak_flops=self.peak,
+            data=self.data.summary,
+        )
         self.meter.restart(self.step)
         try:
             while self.step < cfg.train.steps:
