@@ -559,3 +559,13 @@ def test_a_config_file_too_large_to_be_one_is_refused(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_text("# padding\n" * 200_000)
     assert "a config file is at most" in str(load_error(path=big))
+
+
+def test_the_document_separator_and_val_source_keys():
+    cfg = load('data.document_separator="\\n\\n"', "data.val_source=files:val/*.txt")
+    assert cfg.data.document_separator == "\n\n" and cfg.data.val_source == "files:val/*.txt"
+    assert load().data.document_separator is None and load().data.val_source is None
+    assert load_error('data.document_separator=""').key == "data.document_separator"
+    for bad in ("data.val_source=nowhere:x", "data.val_source=builtin:nope", "data.val_source=files:"):
+        error = load_error(bad)
+        assert error.key == "data.val_source" and str(error).startswith("data.val_source:"), str(error)

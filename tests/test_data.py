@@ -1204,3 +1204,130 @@ def test_one_big_text_file_trains_and_validates_from_the_cli(big_file, tmp_path)
     (start,) = [e for e in rundir.read_events(tmp_path / "run") if e["event"] == "start"]
     assert start["data"]["split"] == D.POSITION and start["data"]["val_tokens"] > 0
     assert any("val_loss" in r and np.isfinite(r["val_loss"]) for r in rundir.read_metrics(tmp_path / "run"))
+
+
+# --- data.document_separator -----------------------------------------------------------------------
+
+
+def test_a_separator_turns_a_file_into_documents(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("first line\nsame paragraph\n\nsecond\n\n\n\nthird\n\n  \n\nfourth\n")
+    splits = D.load_splits(
+        config(f"files:{tmp_path / 'src'}", tmp_path / "cache", document_separator="\n\n", val_fraction=0.5)
+    )
+    # empty and whitespace-only pieces are left out, the others kept verbatim
+    expected = ["first line\nsame paragraph", "second", "third", "fourth\n"]
+    assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(expected)
+    whole = D.load_splits(config(f"files:{tmp_path / 'src'}", tmp_path / "cache2", val_fraction=0.2))
+    assert len(whole["train"]) == len(whole["val"]) == 1  # without it, one document (split by position)
+
+
+def test_separated_documents_get_eos_and_document_masks(big_file, tmp_path):
+    paragraphs = [p for p in big_file.read_text().split("\n\n") if p.strip()]
+    cfg = config(f"files:{big_file}", tmp_path / "cache", document_separator="\n\n", document_mask=True, seq_len=64)
+    data = D.prepare(cfg, batch_size=8, seed=0, log=quiet())
+    assert data.summary["split"] == D.HASH  # thousands of documents now: the hash split works
+    val = [p for p in paragraphs if D._hash_fraction(p) < cfg.val_fraction]
+    np.testing.assert_array_equal(data.train.tokens, stream_of([p for p in paragraphs if p not in set(val)]))
+    np.testing.assert_array_equal(data.val.tokens, stream_of(val))
+    assert data.summary["train_documents"] + data.summary["val_documents"] == len(paragraphs)
+    for batch in [data.train_batch(s) for s in range(4)] + data.val_batches(8):
+        inputs, seg, pos = batch["inputs"], batch["segment_ids"], batch["positions"]
+        after_eos = inputs[:, :-1] == EOS
+        assert after_eos.any()  # paragraphs are shorter than a window
+        # a new segment (attention never reaches back across it) exactly after each EOS
+        np.testing.assert_array_equal(np.diff(seg, axis=1), after_eos.astype(np.int32))
+        np.testing.assert_array_equal(np.where(after_eos, 0, pos[:, :-1] + 1), pos[:, 1:])
+        for row, ids in zip(inputs, seg):  # each segment is one paragraph, or a piece of one, plus its EOS
+            for s in np.unique(ids):
+                piece = bytes(row[(ids == s) & (row != EOS)].astype(np.uint8)).decode()
+                assert "\n\n" not in piece
+
+
+def test_the_separator_is_part_of_the_cache_key(corpus, tmp_path):
+    keys = {
+        D.cache_key(config(corpus["source"], tmp_path / "c", document_separator=s, val_fraction=0.2), D.ByteTokenizer())
+        for s in (None, "\n\n", ": ")
+    }
+    assert len(keys) == 3
+
+
+# --- data.val_source -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    root = tmp_path_factory.mktemp("other")
+    docs = make_docs(40, seed=7)
+    write_jsonl(root / "other.jsonl", docs)
+    return dict(source=f"files:{root / 'other.jsonl'}", docs=docs)
+
+
+def test_val_source_validates_as_the_sources_own_validation_split_would(corpus, other, tmp_path):
+    cfg = config(corpus["source"], tmp_path / "cache", val_source=other["source"], val_windows=16)
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    assert D.split_rule(cfg) == D.VAL_SOURCE and data.summary["split"] == D.VAL_SOURCE
+    np.testing.assert_array_equal(data.train.tokens, stream_of(corpus["docs"]))  # all of it trains
+    np.testing.assert_array_equal(data.val.tokens, stream_of(other["docs"]))
+    # the same as a source whose own validation split is the other corpus: the same val batches, so
+    # the same val loss for the same parameters
+    save_dict(tmp_path / "dd", train=corpus["docs"], validation=other["docs"])
+    own = D.prepare(config(f"files:{tmp_path / 'dd'}", tmp_path / "cache", val_windows=16), 4, 0, log=quiet())
+    assert own.summary["split"] == D.SOURCE
+    for a, b in zip(data.val_batches(4), own.val_batches(4), strict=True):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_val_source_uses_the_runs_tokenizer_trained_on_the_training_source(bpe_corpus, other, tmp_path):
+    cfg = config(bpe_corpus["source"], tmp_path / "cache", tokenizer="bpe", vocab_size=320, val_source=other["source"])
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    tok, eos = data.tokenizer, data.tokenizer.eos_id
+    expected = np.concatenate([np.append(ids, eos) for ids in tok.encode_batch(other["docs"])])
+    np.testing.assert_array_equal(data.val.tokens, expected)
+    # trained on the training source only: another val source gives the same tokenizer
+    again = config(
+        bpe_corpus["source"],
+        tmp_path / "cache2",
+        tokenizer="bpe",
+        vocab_size=320,
+        val_source=f"files:{tmp_path}/none.jsonl",
+    )
+    write_jsonl(tmp_path / "none.jsonl", make_docs(30, seed=3))
+    assert D.prepare(again, 4, 0, log=quiet()).tokenizer.fingerprint == tok.fingerprint
+
+
+def test_val_source_takes_its_validation_split_when_it_has_one(corpus, exact, tmp_path):
+    data = D.prepare(config(corpus["source"], tmp_path / "cache", val_source=exact["source"]), 4, 0, log=quiet())
+    np.testing.assert_array_equal(data.val.tokens, stream_of(exact["val"]))
+
+
+def test_a_bad_val_source_is_one_line_naming_it(corpus, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    write_jsonl(tmp_path / "short.jsonl", ["tiny"])
+    cases = {
+        f"files:{tmp_path}/missing/*.txt": "matches no file",
+        f"files:{tmp_path / 'empty'}": "is empty",
+        f"files:{tmp_path / 'short.jsonl'}": "fewer than one window",
+    }
+    for source, words in cases.items():
+        restart()
+        message = one_line_error(
+            D.prepare, config(corpus["source"], tmp_path / "cache", val_source=source), 4, 0, log=quiet()
+        )
+        assert message.startswith(f"data.val_source: {source}") and words in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("data.val_source=files:/no/such/dir/*.txt", "data.val_source:"),
+        ('data.document_separator=""', "data.document_separator:"),
+    ],
+)
+def test_bad_new_data_keys_exit_2_in_one_line(override, key, tmp_path):
+    out = _tiny_cli(tmp_path, override)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], out.stderr
