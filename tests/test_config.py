@@ -569,3 +569,72 @@ def test_the_document_separator_and_val_source_keys():
     for bad in ("data.val_source=nowhere:x", "data.val_source=builtin:nope", "data.val_source=files:"):
         error = load_error(bad)
         assert error.key == "data.val_source" and str(error).startswith("data.val_source:"), str(error)
+
+
+# --- data.mixture ---------------------------------------------------------------------------------
+
+MIXTURE = "data.mixture=[{source: 'files:code/*.py', weight: 0.7, name: code}, {source: builtin:stdlib, weight: 0.3}]"
+
+
+def test_mixture_entries_are_typed_and_fall_back_to_the_data_section():
+    cfg = load(MIXTURE, "data.text_field=body")
+    code, _ = cfg.data.mixture
+    assert (code.source, code.weight, code.name) == ("files:code/*.py", 0.7, "code")
+    assert cfg.data.mixture_names == ["code", "source1"]
+    assert cfg.data.mixture_source(0).text_field == "body"
+    assert cfg.data.mixture_source(0).mixture == ()
+    # what config.yaml holds reads back as the same config
+    assert from_dict(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        (["data.mixture=[{source: 'files:a', weight: -0.5}]"], "data.mixture[0].weight", ">= 0"),
+        (["data.mixture=[{source: 'files:a', weight: .inf}]"], "data.mixture[0].weight", "expected a number"),
+        (["data.mixture=[{source: 'files:a', weight: 0}, {source: 'files:b', weight: 0}]"], "data.mixture", "all zero"),
+        (["data.mixture=[{source: 'files:a'}, {source: 'nope:b'}]"], "data.mixture[1].source", "must start with"),
+        (["data.mixture=[{source: 'files:a'}, {source: 'hf:'}]"], "data.mixture[1].source", "names no dataset"),
+        (["data.mixture=[{source: 'files:a', name: x}, {source: 'files:b', name: x}]"], "data.mixture", "named 'x'"),
+        (["data.mixture=[{source: 'files:a', name: 'a b'}]"], "data.mixture[0].name", "names metrics"),
+        (["data.mixture=[{weight: 1}]"], "data.mixture[0].source", "required"),
+        (["data.mixture=[{source: 'files:a', wieght: 1}]"], "data.mixture[0].wieght", "data.mixture[0].weight?"),
+        (["data.mixture=[{source: 'files:a'}]", "data.source=files:b"], "data.mixture", "data.source"),
+        (["data.mixture=[{source: 'files:a'}]", "data.val_source=files:b"], "data.mixture", "val_source"),
+        (["data.mixture={source: 'files:a'}"], "data.mixture", "a list of"),
+    ],
+    ids=[
+        "negative-weight",
+        "infinite-weight",
+        "all-zero",
+        "bad-source",
+        "empty-hf-name",
+        "duplicate-names",
+        "unsafe-name",
+        "no-source",
+        "misspelled-key",
+        "with-data-source",
+        "with-val-source",
+        "not-a-list",
+    ],
+)
+def test_mixture_mistakes_name_the_key(overrides, key, fragment):
+    error = load_error(*overrides)
+    assert error.key == key
+    assert fragment in str(error) and "\n" not in str(error)
+
+
+@pytest.mark.slow
+def test_mixture_mistake_exits_2_with_one_line():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "train.py", "data.mixture=[{source: 'files:a', weight: -1}]", "--dry-run"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "data.mixture[0].weight" in result.stderr

@@ -1331,3 +1331,144 @@ def test_bad_new_data_keys_exit_2_in_one_line(override, key, tmp_path):
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], out.stderr
+
+
+# --- mixtures --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "weights", [(0.7, 0.3), (0.5, 0.3, 0.2), (0.01, 0.99), (1, 1, 1), (0.123, 0.0, 0.877), (5, 3, 1, 1)]
+)
+def test_mixture_proportions_over_any_1000_steps_are_within_1_percent(weights):
+    """The assignment rule alone (pure numpy): any 1,000 consecutive steps of 16 rows, wherever they
+    start (periods of the schedule included), hold each source's weight to within 1%; and every
+    prefix of rows is within three rows of its share of the rounded weights (quota / period, within
+    1 / period of the weights)."""
+    schedule = D.Schedule.of(list(weights))
+    w = np.asarray(weights) / sum(weights)
+    B, steps = 16, 1000
+    for start in (0, 1, 777, 1023, 50_000, 10**7 + 3):
+        source, _ = schedule.locate(np.arange(start * B, (start + steps) * B))
+        share = np.bincount(source, minlength=len(w)) / (steps * B)
+        assert np.abs(share - w).max() < 0.01, (start, share, w)
+    rounded = schedule.quota / D.MIXTURE_PERIOD
+    assert np.abs(rounded - w).max() <= 1 / D.MIXTURE_PERIOD
+    source, _ = schedule.locate(np.arange(5 * D.MIXTURE_PERIOD))
+    counts = np.cumsum(np.eye(len(w))[source], axis=0)
+    ideal = np.arange(1, len(source) + 1)[:, None] * rounded
+    assert np.abs(counts - ideal).max() < 3
+
+
+@pytest.mark.parametrize("weights", [(0.7, 0.3), (0.5, 0.3, 0.2)])
+def test_each_source_reads_its_own_stream_without_gap_or_repeat(weights):
+    """Row k's index in its source's stream is the number of rows given to that source before k."""
+    source, index = D.Schedule.of(list(weights)).locate(np.arange(3 * D.MIXTURE_PERIOD + 100))
+    for j in range(len(weights)):
+        np.testing.assert_array_equal(index[source == j], np.arange((source == j).sum()))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Three small .jsonl sources of different sizes (the last small enough to repeat)."""
+    root = tmp_path_factory.mktemp("mixture")
+    for name, n, seed in (("code", 200, 1), ("prose", 150, 2), ("tiny", 30, 3)):
+        write_jsonl(root / f"{name}.jsonl", make_docs(n, seed))
+    return root
+
+
+def mixture(root: Path, cache: Path, weights=(("code", 0.5), ("prose", 0.3), ("tiny", 0.2)), **kw) -> DataConfig:
+    from transformer.config import MixtureEntry
+
+    entries = tuple(MixtureEntry(f"files:{root / name}.jsonl", w, name) for name, w in weights)
+    kw.setdefault("seq_len", 16)
+    return DataConfig(mixture=entries, cache_dir=str(cache), **kw)
+
+
+def test_mixture_batch_i_is_the_same_after_a_rebuild_and_across_process_splits(sources, tmp_path):
+    cfg = mixture(sources, tmp_path)
+    first = D.prepare(cfg, 8, seed=3, log=quiet())
+    before = {i: first.train_batch(i) for i in (0, 1, 57, 400)}
+    restart()  # a resumed run: a new process builds its Data again
+    again = D.prepare(cfg, 8, seed=3, log=quiet())
+    for i, batch in before.items():
+        halves = [again.train_batch(i, p, 2) for p in range(2)]
+        for key, value in batch.items():
+            np.testing.assert_array_equal(again.train_batch(i)[key], value)
+            np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), value)
+    other = D.prepare(cfg, 8, seed=4, log=quiet())
+    assert not np.array_equal(other.train_batch(0)["inputs"], before[0]["inputs"])
+
+
+def test_mixture_rows_are_their_sources_windows(sources, tmp_path):
+    cfg = mixture(sources, tmp_path, document_mask=True)
+    data = D.prepare(cfg, 8, seed=0, log=quiet())
+    assert [p.name for p in data.parts] == ["code", "prose", "tiny"]
+    assert [p.weight for p in data.parts] == pytest.approx([0.5, 0.3, 0.2])
+    source, windows = data.sampler.locate(5)
+    batch = data.train_batch(5)
+    for r, (j, w) in enumerate(zip(source, windows)):
+        own = data.parts[j].data.train.batch(np.asarray([w]))
+        for key in ("inputs", "targets", "segment_ids", "positions"):
+            np.testing.assert_array_equal(batch[key][r], own[key][0])
+    # the anomaly event's window ids: the sources' windows laid end to end
+    offsets = np.cumsum([0] + [p.data.train.count for p in data.parts[:-1]])
+    np.testing.assert_array_equal(data.sampler.window_ids(5), offsets[source] + windows)
+
+
+def test_mixture_sources_share_caches_with_single_source_runs(sources, tmp_path):
+    """A source of a mixture is tokenised once, into the cache a run of that source alone uses."""
+    data = D.prepare(mixture(sources, tmp_path), 8, seed=0, log=quiet())
+    alone = D.prepare(config(f"files:{sources / 'prose'}.jsonl", tmp_path), 8, seed=0, log=quiet())
+    assert data.parts[1].data.cache_path == alone.cache_path
+
+
+def test_mixture_startup_line_gives_each_source_and_warns_of_repeats(sources, tmp_path):
+    messages: list[str] = []
+    data = D.prepare(mixture(sources, tmp_path), 8, seed=0, log=quiet(messages), steps=2000)
+    (line,) = [m for m in messages if m.startswith("data: a mixture")]
+    for part in data.parts:
+        s = part.data.summary
+        assert f"{part.name} (" in line and f"train {s['train_tokens']:,} tokens" in line
+    # tiny: 2000 steps x 8 rows x 0.2 x 16 tokens over ~3k tokens is ~17 epochs; code ~1.4
+    assert line.count("expect memorisation") == 1 and "tiny" in line.split("expect memorisation")[0].rsplit(";", 1)[-1]
+    assert set(data.summary["sources"]) == {"code", "prose", "tiny"}
+    assert data.summary["train_tokens"] == sum(p.data.summary["train_tokens"] for p in data.parts)
+
+
+def test_a_mixture_entry_with_a_bad_source_names_its_key(sources, tmp_path):
+    weights = (("code", 0.5), ("missing", 0.5))
+    message = one_line_error(D.prepare, mixture(sources, tmp_path, weights), 8, 0, log=quiet())
+    assert message.startswith("data.mixture[1].source:") and "matches no file" in message
+
+
+def test_a_mixture_bpe_is_trained_on_all_sources(tmp_path):
+    root = tmp_path / "src"
+    write_jsonl(root / "a.jsonl", ["zebra quokka " * 40] * 20)
+    write_jsonl(root / "b.jsonl", ["lorem ipsum " * 40] * 20)
+    cfg = mixture(root, tmp_path / "cache", (("a", 0.9), ("b", 0.1)), tokenizer="bpe", vocab_size=300)
+    data = D.prepare(cfg, 4, seed=0, log=quiet())
+    assert [len(ids) for ids in data.tokenizer.encode_batch([" quokka", " ipsum"])] == [1, 1]
+    assert {p.data.tokenizer.fingerprint for p in data.parts} == {data.tokenizer.fingerprint}
+
+
+def test_per_source_val_losses_equal_evaluating_each_source_alone(sources, tmp_path):
+    import jax
+
+    from transformer import sharding
+    from transformer.config_loader import load_config
+    from transformer.trainer import Trainer
+
+    mixed = mixture(sources, tmp_path, val_windows=6)
+    data = D.prepare(mixed, 4, seed=0, log=quiet())
+    tiny = ["model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.ffn_multiple=16", "data.seq_len=16"]
+    cfg = load_config(None, [*tiny, "train.batch_size=4"]).with_vocab(data.vocab_size)
+    trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
+    params = trainer.init(jax.random.key(0)).params
+    result = trainer.evaluate(params, data)
+    for i, part in enumerate(data.parts):
+        alone = D.prepare(mixed.mixture_source(i), 4, seed=0, log=quiet())
+        own = trainer.evaluate(params, alone)
+        assert result[f"val/{part.name}/loss"] == pytest.approx(own["val_loss"], rel=1e-6)
+        assert result[f"val/{part.name}/bits_per_byte"] == pytest.approx(own["val_bits_per_byte"], rel=1e-6)
+    total = sum(p.weight * result[f"val/{p.name}/loss"] for p in data.parts)
+    assert result["val_loss"] == pytest.approx(total)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -317,6 +318,33 @@ class DataSource:
         return cls(text, "builtin", name=corpus, recall=task)
 
 
+# a source's name in a mixture becomes part of metric keys (val/<name>/loss) and report columns
+MIXTURE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureEntry:
+    """One source of `data.mixture`; the fields left unset take the data section's."""
+
+    source: str = ""  # any data.source spec
+    weight: float = 1.0  # its share of the training rows (weights are normalised over the mixture)
+    name: str | None = None  # in metric keys (val/<name>/loss); default source<i>
+    text_field: str | None = None
+    train_split: str | None = None
+    val_split: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.source), "source", "is required (any data.source spec)")
+        DataSource.parse(self.source)
+        _check(math.isfinite(self.weight), "weight", f"must be finite, got {self.weight}")
+        _check(self.weight >= 0, "weight", f"must be >= 0, got {self.weight}")
+        _check(
+            self.name is None or MIXTURE_NAME.fullmatch(self.name) is not None,
+            "name",
+            f"must be 1-64 letters, digits, '_', '.' or '-' (it names metrics), got {self.name!r}",
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: str = "builtin:stdlib"  # builtin:stdlib | builtin:recall[:opts] | hf:NAME[:CONFIG] | files:GLOB
@@ -333,9 +361,12 @@ class DataConfig:
     # splits each document's text (a whole .txt file, a row's text field) into documents, e.g. "\n\n"
     document_separator: str | None = None
     val_source: str | None = None  # validate on this source (any data.source spec) instead of a split
+    # weighted sources instead of data.source (which must then be left at its default)
+    mixture: tuple[MixtureEntry, ...] = ()
 
     def __post_init__(self) -> None:
         _check_ints(self)
+        self._check_mixture()
         _check(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
         _check(self.val_windows >= 1, "val_windows", f"must be >= 1, got {self.val_windows}")
         _check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
@@ -352,6 +383,44 @@ class DataConfig:
             self.tokenizer in ("byte", "bpe") or self.tokenizer.startswith("pretrained:"),
             "tokenizer",
             f"must be byte, bpe or pretrained:PATH, got {self.tokenizer!r}",
+        )
+
+    def _check_mixture(self) -> None:
+        if not self.mixture:
+            return
+        default = DataConfig.__dataclass_fields__["source"].default
+        _check(
+            self.source == default,
+            "mixture",
+            f"is set together with data.source ({self.source}): give every source in data.mixture and leave data.source out",
+        )
+        _check(
+            self.val_source is None,
+            "mixture",
+            "cannot be used with data.val_source: each source validates on its own split",
+        )
+        _check(
+            any(e.weight > 0 for e in self.mixture), "mixture", "the weights are all zero: give a source a weight > 0"
+        )
+        names = self.mixture_names
+        duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        _check(duplicate is None, "mixture", f"two sources are named {duplicate!r}: give each a distinct name")
+
+    @property
+    def mixture_names(self) -> list[str]:
+        """Each mixture source's name: its `name`, or source<i>."""
+        return [e.name if e.name is not None else f"source{i}" for i, e in enumerate(self.mixture)]
+
+    def mixture_source(self, i: int) -> DataConfig:
+        """The single-source data config of mixture entry `i`: its fields over this section's."""
+        e = self.mixture[i]
+        return dataclasses.replace(
+            self,
+            source=e.source,
+            text_field=e.text_field if e.text_field is not None else self.text_field,
+            train_split=e.train_split if e.train_split is not None else self.train_split,
+            val_split=e.val_split if e.val_split is not None else self.val_split,
+            mixture=(),
         )
 
     @property
@@ -557,8 +626,8 @@ def _to_dict(obj: Any) -> dict[str, Any]:
         value = getattr(obj, field.name)
         if dataclasses.is_dataclass(value):
             value = _to_dict(value)
-        elif isinstance(value, tuple):
-            value = list(value)
+        elif isinstance(value, tuple):  # data.mixture holds dataclasses
+            value = [_to_dict(v) if dataclasses.is_dataclass(v) else v for v in value]
         out[yaml_key(field)] = value
     return out
 

@@ -53,6 +53,15 @@ def _closest(key: str) -> str:
     return f" (did you mean {match[0]}?)" if match else ""
 
 
+def _closest_in(key: str, names: list[str], prefix: str) -> str:
+    """`_closest` for a key of the schema's sections; for one inside a list item (data.mixture[0].wieght),
+    the closest of the item's own keys."""
+    if "[" not in prefix:
+        return _closest(prefix + key)
+    match = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{match[0]}?)" if match else ""
+
+
 def _closest_choice(value: str, choices: tuple) -> str:
     """' (did you mean pre?)' for a value that is not one of a Literal's choices, or ''."""
     names = [str(c) for c in choices]
@@ -71,6 +80,8 @@ def _describe(tp: Any) -> str:
         return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
     if origin is tuple:
         return f"a list of ({_describe(typing.get_args(tp)[0])})"
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return "a mapping of keys"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
@@ -143,6 +154,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(key, f"expected {_describe(tp)}, got {value!r}")
         (item,) = [a for a in typing.get_args(tp) if a is not Ellipsis]
         return tuple(_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # an item of data.mixture
+        return from_dict(value, tp, key + ".")
     return _coerce_scalar(value, tp, key)
 
 
@@ -154,7 +167,7 @@ def from_dict(raw: dict[str, Any], cls: type = Config, prefix: str = "") -> Any:
     fields = {yaml_key(f): f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            raise ConfigError(prefix + str(key), "unknown key" + _closest(prefix + str(key)))
+            raise ConfigError(prefix + str(key), "unknown key" + _closest_in(str(key), list(fields), prefix))
     kwargs = {}
     if cls is Config:
         # The model's context defaults to the data's sequence length: build data first, so that a

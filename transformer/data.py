@@ -502,15 +502,21 @@ def _check_splits(cfg: DataConfig, train, val, rule: str) -> None:
 
 
 @contextlib.contextmanager
-def _naming_val_source():
-    """Errors about the validation source's contents name data.val_source, not data.source."""
+def _naming(key: str):
+    """Errors about another source's contents (data.val_source, data.mixture[i].source) name its
+    key, not data.source."""
     try:
         yield
     except DataError as e:
         message = str(e)
         if message.startswith("data.source:"):
-            raise DataError("data.val_source:" + message.removeprefix("data.source:")) from None
+            raise DataError(f"{key}:" + message.removeprefix("data.source:")) from None
         raise
+
+
+def _naming_val_source():
+    """Errors about the validation source's contents name data.val_source, not data.source."""
+    return _naming("data.val_source")
 
 
 def _val_config(cfg: DataConfig) -> DataConfig:
@@ -560,6 +566,8 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> To
             tok = load_pretrained(cfg.tokenizer.partition(":")[2])
         except TokenizerError as e:
             raise DataError(str(e)) from None
+    elif cfg.mixture:
+        tok = _mixture_bpe(cfg, cache_dir)
     else:
         source = source_fingerprint(cfg)
         key = _cached_key(
@@ -581,6 +589,33 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> To
     if workdir is not None and not (workdir / TOKENIZER_FILE).is_file() and isinstance(tok, HFTokenizer):
         workdir.mkdir(parents=True, exist_ok=True)
         atomic_write(workdir / TOKENIZER_FILE, tok.json_text)
+    return tok
+
+
+def _mixture_bpe(cfg: DataConfig, cache_dir: Path) -> HFTokenizer:
+    """One BPE for all the sources of a mixture, trained on their training splits together, plain
+    (not weighted): each source gives up to an equal share of BPE_TRAIN_BYTES, so a source with a
+    small weight still has its words in the vocabulary. Kept in the cache like a single source's."""
+    configs = [cfg.mixture_source(i) for i in range(len(cfg.mixture))]
+    sources = []
+    for i, scfg in enumerate(configs):
+        with _naming(f"data.mixture[{i}].source"):
+            # the split rule is a function of the contents, which the fingerprint pins
+            sources.append([source_fingerprint(scfg), _split_rules(scfg)])
+    saved = cache_dir / f"bpe-{_digest({'bpe': cfg.vocab_size, 'mixture': sources})}.json"
+    if saved.is_file():
+        return HFTokenizer(saved.read_text())
+    _check_writable(cache_dir)
+    budget = BPE_TRAIN_BYTES // len(configs)
+    texts = []
+    for i, scfg in enumerate(configs):
+        with _naming(f"data.mixture[{i}].source"):
+            texts.append(_prefix(load_splits(scfg)["train"][scfg.text_field], budget))
+    try:
+        tok = train_bpe((t for part in texts for t in part), cfg.vocab_size)
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
+    atomic_write(saved, tok.json_text)
     return tok
 
 
@@ -775,19 +810,26 @@ def document_layout(inputs_BxT: np.ndarray, eos_id: int) -> dict[str, np.ndarray
 
 
 class Sampler:
-    """Global batch i = windows [i*B, (i+1)*B) of the endless sequence of per-epoch permutations."""
+    """Global batch i = windows [i*B, (i+1)*B) of the endless sequence of per-epoch permutations.
+    A mixture's sources each have one (`stream` = the source's index, so their orders differ)."""
 
-    def __init__(self, n_windows: int, batch_size: int, seed: int):
+    def __init__(self, n_windows: int, batch_size: int, seed: int, stream: int | None = None):
         self.n, self.batch_size, self.seed = n_windows, batch_size, seed
+        self.key = [seed] if stream is None else [seed, stream]
         # a batch straddles at most two epochs: keep their permutations, per sampler
         self.permutation = functools.lru_cache(maxsize=2)(self._permutation)
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.n)
+        # [seed, epoch] as before streams existed: single-source runs keep their batches
+        key = [self.key[0], epoch, *self.key[1:]]
+        return np.random.Generator(np.random.PCG64(key)).permutation(self.n)
 
     def window_ids(self, step: int, rows: range | None = None) -> np.ndarray:
         rows = range(self.batch_size) if rows is None else rows
-        flat = step * self.batch_size + np.arange(rows.start, rows.stop)
+        return self.windows_at(step * self.batch_size + np.arange(rows.start, rows.stop))
+
+    def windows_at(self, flat: np.ndarray) -> np.ndarray:
+        """The windows at positions `flat` of the endless sequence of permutations."""
         epochs, offsets = np.divmod(flat, self.n)
         return np.asarray([self.permutation(int(e))[o] for e, o in zip(epochs, offsets)], np.int64)
 
@@ -795,20 +837,92 @@ class Sampler:
         return steps * self.batch_size / self.n
 
 
+# Rows of one period of a mixture's assignment: the weights are rounded to multiples of 1/this.
+MIXTURE_PERIOD = 1 << 14
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which source each row of a mixture's global stream of rows (row k = step * B + r) comes from,
+    and its index in that source's own stream. Each source gets quota_j = weight_j * P rows of every
+    period of P rows (largest remainders), placed at its ideal times (n + 1/2) / quota_j merged in
+    order (stride scheduling): every run of rows holds each source's share to within a row or two,
+    and where row k goes is a table lookup, so batch i needs no state of the batches before it."""
+
+    source: np.ndarray  # [P] the source of row k, for k % P
+    rank: np.ndarray  # [P] its index among that source's rows of the period
+    quota: np.ndarray  # [S] each source's rows per period
+
+    @classmethod
+    def of(cls, weights: list[float], period: int = MIXTURE_PERIOD) -> Schedule:
+        w = np.asarray(weights, np.float64) / sum(weights)
+        quota = np.floor(w * period).astype(np.int64)
+        # the rows left by rounding down go to the largest remainders (ties to the first source)
+        short = period - int(quota.sum())
+        quota[np.argsort(-(w * period - quota), kind="stable")[:short]] += 1
+        times = np.concatenate([(np.arange(q) + 0.5) / q for q in quota if q])
+        source = np.concatenate([np.full(q, j) for j, q in enumerate(quota) if q])
+        rank = np.concatenate([np.arange(q) for q in quota if q])
+        order = np.lexsort((source, times))  # by time, ties by source: deterministic everywhere
+        return cls(source[order], rank[order], quota)
+
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index in that source's stream) of each global row."""
+        period, offset = np.divmod(rows, len(self.source))
+        source = self.source[offset]
+        return source, period * self.quota[source] + self.rank[offset]
+
+
+class MixtureSampler:
+    """Global batch i of a mixture: row r is global row k = i*B + r, whose source and index in that
+    source's stream `Schedule` gives; each source's stream is its own endless sequence of per-epoch
+    permutations (its Sampler). Window ids are indices into the sources' training windows laid end
+    to end (source j's window w is offsets[j] + w)."""
+
+    def __init__(self, samplers: list[Sampler], weights: list[float], batch_size: int):
+        self.samplers, self.batch_size = samplers, batch_size
+        self.schedule = Schedule.of(weights)
+        self.offsets = np.cumsum([0] + [s.n for s in samplers[:-1]])
+
+    def locate(self, step: int, rows: range | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(source, window of that source) of each row of global batch `step`."""
+        rows = range(self.batch_size) if rows is None else rows
+        source, index = self.schedule.locate(step * self.batch_size + np.arange(rows.start, rows.stop))
+        windows = np.empty(len(source), np.int64)
+        for j in np.unique(source):
+            windows[source == j] = self.samplers[j].windows_at(index[source == j])
+        return source, windows
+
+    def window_ids(self, step: int, rows: range | None = None) -> np.ndarray:
+        source, windows = self.locate(step, rows)
+        return self.offsets[source] + windows
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One source of a mixture: its name (in metric keys), its normalised weight and its data alone."""
+
+    name: str
+    weight: float
+    data: Data
+
+
 @dataclasses.dataclass
 class Data:
-    """Everything the trainer and evaluator need from the data side."""
+    """Everything the trainer and evaluator need from the data side. For a mixture, `parts` holds
+    each source's own Data and train, val and the val fields are those of the first source."""
 
     tokenizer: Tokenizer
     train: Windows
     val: Windows
-    sampler: Sampler
+    sampler: Sampler | MixtureSampler
     val_window_ids: np.ndarray
     val_bytes_per_token: float
     cache_path: Path
     # how the source was divided (SOURCE, HASH, POSITION, VAL_SOURCE) and the sizes of the splits:
     # the `data` field of the run's start event
     summary: dict = dataclasses.field(default_factory=dict)
+    parts: tuple[Part, ...] = ()
 
     @property
     def vocab_size(self) -> int:
@@ -821,10 +935,20 @@ class Data:
             raise DataError(f"train.batch_size: {B} rows cannot be split evenly over {process_count} processes")
         per = B // process_count
         rows = range(process_index * per, (process_index + 1) * per)
-        return self.train.batch(self.sampler.window_ids(step, rows))
+        if not isinstance(self.sampler, MixtureSampler):
+            return self.train.batch(self.sampler.window_ids(step, rows))
+        source, windows = self.sampler.locate(step, rows)
+        out: dict[str, np.ndarray] = {}
+        for j in np.unique(source):
+            for key, value in self.parts[j].data.train.batch(windows[source == j]).items():
+                out.setdefault(key, np.empty((per, *value.shape[1:]), value.dtype))[source == j] = value
+        return out
 
     def val_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
-        """The fixed validation windows in batches; a short last batch is padded and weighted 0."""
+        """The fixed validation windows in batches; a short last batch is padded and weighted 0. A
+        mixture's are its sources' in turn (each validates separately: see Trainer.evaluate)."""
+        if self.parts:
+            return [b for part in self.parts for b in part.data.val_batches(batch_size)]
         out = []
         for start in range(0, len(self.val_window_ids), batch_size):
             ids = self.val_window_ids[start : start + batch_size]
@@ -848,6 +972,25 @@ def prepare(
     Given a run's `steps`, logs its start-up line (see `startup_line`)."""
     cache_dir = cache_directory(cfg)
     tokenizer = make_tokenizer(cfg, workdir, cache_dir)
+    if cfg.mixture:
+        return _prepare_mixture(cfg, tokenizer, cache_dir, batch_size, seed, log, steps)
+    data = _open_source(cfg, tokenizer, cache_dir, batch_size, seed, None, log)
+    if steps is not None:  # a training run's start-up line (eval and tests leave it out)
+        log(startup_line(cfg, data.summary, batch_size, steps))
+    return data
+
+
+def _open_source(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    cache_dir: Path,
+    batch_size: int,
+    seed: int,
+    stream: int | None,
+    log: Callable[[str], None],
+) -> Data:
+    """One source's Data over its token cache (built if missing); `stream` keeps the training
+    orders of a mixture's sources apart (None: a single source's, as before mixtures)."""
     path = build_cache(cfg, tokenizer, cache_dir, log)
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("rows_without_text"):
@@ -862,8 +1005,6 @@ def prepare(
     _check_sizes(cfg, train, val, batch_size)
     rule = meta.get("split") or split_rule(cfg)  # a cache made before the rule was recorded: ask the source
     summary = dict(split=rule, **{f"{s}_{n}": meta[s][n] for s in ("train", "val") for n in ("tokens", "documents")})
-    if steps is not None:  # a training run's start-up line (eval and tests leave it out)
-        log(startup_line(cfg, summary, batch_size, steps))
     # evenly spaced over the whole validation split, independent of the run's seed and batch size
     n_val = min(cfg.val_windows, val.count)
     val_ids = np.unique(np.linspace(0, val.count - 1, n_val).round().astype(np.int64))
@@ -871,12 +1012,63 @@ def prepare(
         tokenizer=tokenizer,
         train=train,
         val=val,
-        sampler=Sampler(train.count, batch_size, seed),
+        sampler=Sampler(train.count, batch_size, seed, stream),
         val_window_ids=val_ids,
         val_bytes_per_token=meta["val"]["bytes"] / max(1, meta["val"]["tokens"]),
         cache_path=path,
         summary=summary,
     )
+
+
+def _prepare_mixture(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    cache_dir: Path,
+    batch_size: int,
+    seed: int,
+    log: Callable[[str], None],
+    steps: int | None,
+) -> Data:
+    """A mixture's Data: each source opened alone (one window at least: the schedule decides how
+    many rows it gives a batch), the rows of a batch assigned by MixtureSampler."""
+    total = sum(e.weight for e in cfg.mixture)
+    parts = []
+    for i, name in enumerate(cfg.mixture_names):
+        with _naming(f"data.mixture[{i}].source"):
+            part = _open_source(cfg.mixture_source(i), tokenizer, cache_dir, 1, seed, i, log)
+        parts.append(Part(name, cfg.mixture[i].weight / total, part))
+    first = parts[0].data
+    samplers = [p.data.sampler for p in parts if isinstance(p.data.sampler, Sampler)]
+    sampler = MixtureSampler(samplers, [p.weight for p in parts], batch_size)
+    summary = mixture_summary(parts)
+    if steps is not None:
+        log(mixture_line(cfg, parts, batch_size, steps))
+    return dataclasses.replace(first, sampler=sampler, summary=summary, parts=tuple(parts))
+
+
+def mixture_summary(parts: list[Part]) -> dict:
+    """The start event's `data` for a mixture: totals over the sources, and each source's own."""
+    summary: dict = dict(split="mixture")
+    for key in ("train_tokens", "train_documents", "val_tokens", "val_documents"):
+        summary[key] = sum(p.data.summary[key] for p in parts)
+    summary["sources"] = {p.name: dict(weight=p.weight, **p.data.summary) for p in parts}
+    return summary
+
+
+def mixture_line(cfg: DataConfig, parts: list[Part], batch_size: int, steps: int) -> str:
+    """The start-up line of a mixture: per source its weight, tokens per split, split rule and the
+    epochs a run of `steps` makes over its training split (said plainly above REPEAT_WARNING)."""
+    line = f"data: a mixture of {len(parts)} sources; {steps:,} steps of {batch_size} x {cfg.seq_len} tokens"
+    for entry, p in zip(cfg.mixture, parts):
+        s = p.data.summary
+        epochs = steps * batch_size * p.weight * cfg.seq_len / s["train_tokens"]
+        line += (
+            f"; {p.name} ({entry.source}, weight {p.weight:.3g}): train {s['train_tokens']:,} tokens, "
+            f"val {s['val_tokens']:,} tokens ({s['split']} split), {epochs:.3g} epochs"
+        )
+        if epochs > REPEAT_WARNING:
+            line += f": it repeats each of its training tokens ~{epochs:.0f} times, expect memorisation"
+    return line
 
 
 def _check_sizes(cfg: DataConfig, train: Windows, val: Windows, batch_size: int) -> None:

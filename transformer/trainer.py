@@ -214,6 +214,22 @@ class Trainer:
         return sharding.global_batch(local, self.mesh, global_rows)
 
     def evaluate(self, params, data: Data) -> dict[str, float]:
+        """Loss, perplexity and bits/byte on the fixed validation windows. A mixture reports each
+        source's (val/<name>/loss, val/<name>/bits_per_byte) and, as val_loss and val_bits_per_byte,
+        their means weighted by the sources' weights (not by their validation tokens: the total
+        means the same mixture the run trains on, however many windows each source validates on)."""
+        if not data.parts:
+            return self._evaluate(params, data)
+        out: dict[str, float] = {}
+        for part in data.parts:
+            own = self._evaluate(params, part.data)
+            out[f"val/{part.name}/loss"] = own["val_loss"]
+            out[f"val/{part.name}/bits_per_byte"] = own["val_bits_per_byte"]
+        loss = sum(p.weight * out[f"val/{p.name}/loss"] for p in data.parts)
+        bpb = sum(p.weight * out[f"val/{p.name}/bits_per_byte"] for p in data.parts)
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_bits_per_byte": bpb, **out}
+
+    def _evaluate(self, params, data: Data) -> dict[str, float]:
         B = self.cfg.train.batch_size
         pidx, pcount = jax.process_index(), jax.process_count()
         per = B // pcount
