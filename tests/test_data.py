@@ -1472,3 +1472,27 @@ def test_per_source_val_losses_equal_evaluating_each_source_alone(sources, tmp_p
         assert result[f"val/{part.name}/bits_per_byte"] == pytest.approx(own["val_bits_per_byte"], rel=1e-6)
     total = sum(p.weight * result[f"val/{p.name}/loss"] for p in data.parts)
     assert result["val_loss"] == pytest.approx(total)
+
+
+@pytest.mark.slow
+def test_a_mixture_run_writes_per_source_validation_metrics(sources, tmp_path):
+    from transformer import rundir
+
+    entries = f"[{{source: 'files:{sources}/code.jsonl', weight: 0.7, name: code}}, {{source: 'files:{sources}/prose.jsonl', weight: 0.3, name: prose}}]"
+    tiny = ["model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.ffn_multiple=16", "data.seq_len=16"]
+    result = subprocess.run(
+        [sys.executable, "train.py", f"data.mixture={entries}", f"data.cache_dir={tmp_path / 'cache'}", *tiny]
+        + ["data.val_windows=4", "train.batch_size=4", "train.steps=3", "train.eval_every=3", "optim.warmup_steps=1"]
+        + ["logging.progress=false", "--workdir", str(tmp_path / "run")],
+        cwd=REPO,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "data: a mixture of 2 sources" in result.stdout
+    (last,) = [r for r in rundir.read_metrics(tmp_path / "run") if "val_loss" in r]
+    for name in ("code", "prose"):
+        assert np.isfinite(last[f"val/{name}/loss"]) and np.isfinite(last[f"val/{name}/bits_per_byte"])
+    assert last["val_loss"] == pytest.approx(0.7 * last["val/code/loss"] + 0.3 * last["val/prose/loss"])
