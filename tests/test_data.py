@@ -1496,3 +1496,46 @@ def test_a_mixture_run_writes_per_source_validation_metrics(sources, tmp_path):
     for name in ("code", "prose"):
         assert np.isfinite(last[f"val/{name}/loss"]) and np.isfinite(last[f"val/{name}/bits_per_byte"])
     assert last["val_loss"] == pytest.approx(0.7 * last["val/code/loss"] + 0.3 * last["val/prose/loss"])
+
+
+def _mixture_run(directory: Path, name: str, lr: float, records: list[dict]) -> None:
+    """A finished run directory as the trainer writes it, with the given metric records."""
+    from transformer.config_loader import from_dict
+
+    run = directory / name
+    run.mkdir(parents=True)
+    model = {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2}
+    cfg = from_dict({"model": model, "optim": {"lr": lr}, "train": {"steps": len(records)}})
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **r}) + "\n" for s, r in enumerate(records, 1)))
+    (run / "events.jsonl").write_text(
+        json.dumps({"event": "start", "step": 0}) + "\n" + json.dumps({"event": "end", "step": len(records)}) + "\n"
+    )
+
+
+def test_the_report_has_a_column_per_mixture_source(tmp_path):
+    from transformer.render import table
+    from transformer.report import build
+
+    def val(code: float, prose: float) -> dict:
+        return {"loss": 3.0, "val_loss": 0.5 * (code + prose), "val/code/loss": code, "val/prose/loss": prose}
+
+    _mixture_run(tmp_path, "a", 0.001, [val(2.0, 3.0), val(1.5, 2.5)])
+    _mixture_run(tmp_path, "b", 0.002, [val(1.7, 2.9), val(1.9, 2.1)])
+    report = build(tmp_path)
+    assert report.summaries["a"].best_val_by_source == {"code": 1.5, "prose": 2.5}
+    header, rows = table(report)
+    assert header[-3:] == ["best val code", "best val prose", "diverged"]
+    first, second = sorted(rows)
+    assert first[header.index("best val code")] == "1.5000" and first[header.index("best val prose")] == "2.5000"
+    assert second[header.index("best val code")] == "1.7000" and second[header.index("best val prose")] == "2.1000"
+
+
+def test_the_report_has_no_source_columns_without_a_mixture(tmp_path):
+    from transformer.render import COLUMNS, table
+    from transformer.report import build
+
+    for lr in (0.001, 0.002):
+        _mixture_run(tmp_path, f"r{lr}", lr, [{"loss": 3.0, "val_loss": 2.0}])
+    header, _ = table(build(tmp_path))
+    assert not any(h.startswith("best val ") and h not in {c[0] for c in COLUMNS} for h in header)

@@ -51,8 +51,11 @@ def _cell(mean: float, std: float | None, fmt: str) -> str:
 def table(report: Report) -> Table:
     """Header and rows: one row per variant, seeds aggregated as mean ± std."""
     keys = report.keys
-    header = [short_key(k) for k in keys] + ["seeds"] + [c[0] for c in COLUMNS] + ["diverged"]
+    sources = report.sources()  # a column per mixture source, only when some run has them
+    header = [short_key(k) for k in keys] + ["seeds"] + [c[0] for c in COLUMNS]
+    header += [f"best val {name}" for name in sources] + ["diverged"]
     stats = {field: report.aggregate(field) for _, field, _ in COLUMNS}
+    by_source = {name: report.aggregate_source(name) for name in sources}
     stats["params"] = {v: (float(report.summaries[runs[0].name].params), None) for v, runs in report.variants.items()}
     rows = []
     for variant, runs in report.variants.items():
@@ -60,6 +63,7 @@ def table(report: Report) -> Table:
         done = report.finished(runs)
         row = [format_value(first.get(k)) for k in keys] + [f"{len(done)}/{len(runs)}"]
         row += [_cell(*stats[field][variant], fmt) for _, field, fmt in COLUMNS]
+        row += [_cell(*by_source[name][variant], "{:.4f}") for name in sources]
         row.append(f"{sum(report.summaries[r.name].diverged for r in done)}/{len(done)}")
         rows.append(row)
     return header, rows

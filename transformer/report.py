@@ -177,6 +177,8 @@ class Summary:
     tokens_per_s: float
     tokens: int
     status: str
+    # a mixture run's best val/<name>/loss per source (empty for a single source)
+    best_val_by_source: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _min(values: np.ndarray) -> float:
@@ -212,6 +214,11 @@ def summarize(run: Run, budget: int | None) -> Summary:
         tokens_per_s=float(np.nanmedian(tps)) if np.isfinite(tps).any() else math.nan,
         tokens=int(steps[-1]) * run.tokens_per_step if len(steps) else 0,
         status=run.status,
+        best_val_by_source={
+            key.removeprefix("val/").removesuffix("/loss"): _min(run.curve(key)[1])
+            for key in run.series
+            if key.startswith("val/") and key.endswith("/loss")
+        },
     )
 
 
@@ -280,6 +287,19 @@ class Report:
         """Mean and std of a Summary field over each variant's finished runs."""
         return {
             v: mean_std([float(getattr(self.summaries[r.name], field)) for r in self.finished(runs)])
+            for v, runs in self.variants.items()
+        }
+
+    def sources(self) -> list[str]:
+        """The mixture sources any run validated separately, in order of first appearance."""
+        names = [n for s in self.summaries.values() for n in s.best_val_by_source]
+        return list(dict.fromkeys(names))
+
+    def aggregate_source(self, name: str) -> dict[str, tuple[float, float | None]]:
+        """Mean and std of one source's best validation loss over each variant's finished runs (NaN
+        for a run without that source)."""
+        return {
+            v: mean_std([self.summaries[r.name].best_val_by_source.get(name, math.nan) for r in self.finished(runs)])
             for v, runs in self.variants.items()
         }
 
