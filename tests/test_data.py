@@ -367,6 +367,48 @@ def test_a_glob_source(tmp_path):
     assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(docs)
 
 
+def _code_files(root: Path, n: int = 30) -> list[str]:
+    """n small Python files under root/pkg (one nested), each a document with blank lines in it."""
+    docs = [f"def f{i}(x):\n    return x + {i}\n\n\n# file {i}\n" + "y = 1\n" * (i % 5) for i in range(n)]
+    for i, doc in enumerate(docs):
+        path = root / "pkg" / ("sub" if i % 3 == 0 else "") / f"m{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(doc)
+    return docs
+
+
+def test_a_glob_of_code_files_trains_and_validates_as_documents(tmp_path):
+    """Files of any other extension (.py, .md, ...) are text, one document per file, as .txt is."""
+    docs = _code_files(tmp_path)
+    (tmp_path / "pkg" / "README.md").write_text("# not matched by the glob\n")
+    cfg = config(f"files:{tmp_path}/pkg/**/*.py", tmp_path / "cache", val_fraction=0.2)
+    splits = D.load_splits(cfg)
+    assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(docs)
+    assert len(splits["train"]) and len(splits["val"]) and D.split_rule(cfg) == D.HASH
+    data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), stream_of(texts(splits["train"])))
+    np.testing.assert_array_equal(np.asarray(data.val.tokens, np.int64), stream_of(texts(splits["val"])))
+    # the separator applies as to .txt files; a directory mixes .py and .md files, both text
+    (tmp_path / "pkg" / "notes.md").write_text("first note\n\n\nsecond note\n")
+    sep = config(f"files:{tmp_path}/pkg", tmp_path / "cache", val_fraction=0.2, document_separator="\n\n\n")
+    pieces = texts(D.load_splits(sep)["train"]) + texts(D.load_splits(sep)["val"])
+    assert "first note" in pieces and "second note\n" in pieces and "# file 4\n" + "y = 1\n" * 4 in pieces
+
+
+def test_a_binary_file_among_text_files_is_one_line_naming_it(tmp_path):
+    _code_files(tmp_path)
+    (tmp_path / "pkg" / "sub" / "m3.cpython-312.pyc").write_bytes(b"\xa7\r\r\n\0\0" + bytes(range(256)))
+    message = one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg", tmp_path / "cache"))
+    assert message.startswith("data.source:") and "m3.cpython-312.pyc" in message and "not UTF-8 text" in message
+    (tmp_path / "pkg" / "sub" / "m3.cpython-312.pyc").write_bytes(b"valid UTF-8 but \0 NUL bytes")
+    assert "m3.cpython-312.pyc" in one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg", tmp_path / "cache"))
+    # a glob that leaves it out reads the rest; .jsonl among text files is still refused as a mix of kinds
+    assert len(D.load_splits(config(f"files:{tmp_path}/pkg/**/*.py", tmp_path / "cache"))["train"])
+    write_jsonl(tmp_path / "pkg" / "rows.jsonl", ["a row"])
+    message = one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg/**/*.*[ly]", tmp_path / "cache"))
+    assert "one kind" in message and ".jsonl" in message and ".py" in message
+
+
 def test_non_utf8_bytes_do_not_crash_the_byte_tokenizer(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -236,21 +236,51 @@ def _documents_from_files(cfg: DataConfig, source: DataSource):
     files = _source_files(source)
     if all(f.stat().st_size == 0 for f in files):
         raise DataError(f"data.source: {source.text} is empty ({len(files)} file(s), 0 bytes)")
-    builders = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-    kinds = {builders.get(f.suffix.lower()) for f in files}
-    if None in kinds or len(kinds) != 1:
-        suffixes = sorted({f.suffix or "(none)" for f in files})
-        raise DataError(
-            f"data.source: {source.text} must match files of one kind (.txt, .jsonl/.json, .parquet, .csv), "
-            f"found {', '.join(suffixes)}"
-        )
-    (builder,) = kinds
+    builder = _builder(source, files)
     options = dict(sample_by="document", encoding_errors="replace") if builder == "text" else {}
     try:
         with _quiet_datasets():
             return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, **options)
     except Exception as e:
         raise DataError(f"data.source: cannot read {source.text}: {_reason(e)}") from None
+
+
+# files read by a datasets builder of their own; any other extension (.py, .md, .c, ...) is text
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _builder(source: DataSource, files: list[Path]) -> str:
+    """The datasets builder that reads `files`: that of their kind, all of one kind; files of other
+    extensions are plain text (one document per file, as .txt), and may go with .txt files."""
+    kinds = {BUILDERS.get(f.suffix.lower(), "text") for f in files}
+    if len(kinds) != 1:
+        suffixes = sorted({f.suffix or "(none)" for f in files})
+        raise DataError(
+            f"data.source: {source.text} must match files of one kind (.jsonl/.json, .parquet, .csv, or text: "
+            f".txt and any other extension), found {', '.join(suffixes)}"
+        )
+    (builder,) = kinds
+    if builder == "text":
+        _check_text_files(source, [f for f in files if f.suffix.lower() not in BUILDERS])
+    return builder
+
+
+def _check_text_files(source: DataSource, files: list[Path]) -> None:
+    """Refuse a file that is not UTF-8 text (a compiled file, an image) among those read as text:
+    decoded with replacement it would train on noise. A NUL byte counts as binary though valid UTF-8.
+    .txt files keep their lenient reading (undecodable bytes become U+FFFD), so are not checked."""
+    for f in files:
+        data = f.read_bytes()
+        try:
+            data.decode("utf-8")
+            binary = b"\0" in data
+        except UnicodeDecodeError:
+            binary = True
+        if binary:
+            raise DataError(
+                f"data.source: {source.text} matches {f}, which is not UTF-8 text (a binary file?); "
+                "narrow the glob to the text files (e.g. files:DIR/**/*.py)"
+            )
 
 
 def _hub_unreachable() -> str | None:
