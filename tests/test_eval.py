@@ -143,6 +143,92 @@ def test_eval_cli_end_to_end(trained):
     assert out.stdout.startswith("step 20 on files:") and "bits per byte" in out.stdout
 
 
+# --- a mixture run (issue 16) --------------------------------------------------------------------
+
+MIXTURE_VAL_WINDOWS, MIXTURE_SEQ_LEN, MIXTURE_BATCH = 5, 16, 4
+
+
+@pytest.fixture(scope="module")
+def trained_mixture(tmp_path_factory):
+    """A tiny run on a 0.7 / 0.3 mixture of two corpora, validated and saved at steps 3 and 6."""
+    root = tmp_path_factory.mktemp("eval-mixture")
+    code, prose = write_corpus(root / "code.jsonl", seed=3, n=120), write_corpus(root / "prose.jsonl", seed=4, n=80)
+    entries = (
+        f"[{{source: 'files:{code}', weight: 0.7, name: code}}, {{source: 'files:{prose}', weight: 0.3, name: prose}}]"
+    )
+    tiny = ["model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.ffn_multiple=16"]
+    cfg = load_config(
+        None,
+        [f"data.mixture={entries}", f"data.cache_dir={root / 'cache'}", f"data.seq_len={MIXTURE_SEQ_LEN}", *tiny]
+        + [f"data.val_windows={MIXTURE_VAL_WINDOWS}", f"train.batch_size={MIXTURE_BATCH}", "train.steps=6"]
+        + ["train.eval_every=3", "checkpoint.every=3", "checkpoint.keep=5", "optim.warmup_steps=1"]
+        + ["logging.progress=false", "logging.tensorboard=false"],
+    )
+    run(cfg, root / "run", log=lambda _: None)
+    return root / "run"
+
+
+@pytest.mark.parametrize("step", [None, 3])
+def test_eval_of_a_mixture_gives_each_sources_loss_as_the_training_log(trained_mixture, capsys, step):
+    from conftest import logged
+
+    args = ["--workdir", str(trained_mixture)] + (["--step", str(step)] if step else [])
+    result = eval_json(capsys, *args)
+    at = step or 6
+    assert result["step"] == at and set(result["sources"]) == {"code", "prose"}
+    for name, own in result["sources"].items():
+        assert own["loss"] == pytest.approx(logged(trained_mixture, f"val/{name}/loss")[at], rel=1e-6)
+        assert own["bits_per_byte"] == pytest.approx(logged(trained_mixture, f"val/{name}/bits_per_byte")[at], rel=1e-6)
+        assert own["tokens"] == MIXTURE_VAL_WINDOWS * MIXTURE_SEQ_LEN
+    assert result["loss"] == pytest.approx(logged_val_loss(trained_mixture, at), rel=1e-6)
+    assert result["loss"] == pytest.approx(
+        0.7 * result["sources"]["code"]["loss"] + 0.3 * result["sources"]["prose"]["loss"]
+    )
+    assert result["tokens"] == 2 * MIXTURE_VAL_WINDOWS * MIXTURE_SEQ_LEN  # both sources', not the first's
+
+
+def test_eval_of_a_mixture_on_the_training_split_reads_each_sources_training_windows(trained_mixture, capsys):
+    from transformer.data import prepare
+    from transformer.evaluate import run_config, split_windows
+
+    val = eval_json(capsys, "--workdir", str(trained_mixture))
+    train = eval_json(capsys, "--workdir", str(trained_mixture), "--split", "train")
+    assert train["split"] == "train" and train["tokens"] == val["tokens"]
+    for name in ("code", "prose"):
+        assert train["sources"][name]["loss"] != pytest.approx(val["sources"][name]["loss"], rel=1e-6)
+    cfg = run_config(trained_mixture, [])
+    data = split_windows(prepare(cfg.data, MIXTURE_BATCH, 0, trained_mixture, log=lambda _: None), "train")
+    for part in data.parts:  # evenly spaced over each source's own training windows, first to last
+        ids = part.data.val_window_ids
+        assert part.data.val is part.data.train and ids[0] == 0 and ids[-1] == part.data.train.count - 1
+        assert len(ids) == MIXTURE_VAL_WINDOWS
+    one = eval_json(capsys, "--workdir", str(trained_mixture), "--split", "train", "--batches", "1")
+    assert [own["tokens"] for own in one["sources"].values()] == [MIXTURE_BATCH * MIXTURE_SEQ_LEN] * 2
+
+
+def test_eval_text_output_of_a_mixture_has_a_line_per_source(trained_mixture, capsys):
+    assert eval_main(["--workdir", str(trained_mixture)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert lines[0].startswith("step 6 on a mixture of 2 sources (val, 160 tokens): loss ")
+    assert lines[1].startswith("  code (files:") and "weight 0.7, 80 tokens): loss " in lines[1]
+    assert lines[2].startswith("  prose (files:") and "bits per byte" in lines[2]
+
+
+@pytest.mark.slow
+def test_eval_cli_of_a_mixture_end_to_end(trained_mixture):
+    out = subprocess.run(
+        [sys.executable, "eval.py", "--workdir", str(trained_mixture), "--json"],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result["sources"]) == {"code", "prose"} and result["tokens"] == 2 * MIXTURE_VAL_WINDOWS * MIXTURE_SEQ_LEN
+
+
 # --- bad input that needs no trained run (issue 18) ----------------------------------------------
 
 

@@ -312,4 +312,9 @@ def _evaluate_main(args: argparse.Namespace, workdir: Path) -> int:
             f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}, "
             f"bits per byte {result['bits_per_byte']:.4f}"
         )
+        for name, own in result.get("sources", {}).items():  # a mixture: the weighted total above, then each source
+            print(
+                f"  {name} ({own['source']}, weight {own['weight']:.3g}, {own['tokens']:,} tokens): "
+                f"loss {own['loss']:.4f}, bits per byte {own['bits_per_byte']:.4f}"
+            )
     return 0

@@ -76,14 +76,32 @@ def restore_params(cfg: Config, workdir: Path, step: int | None, trainer: Traine
         ckpt.close()
 
 
-def split_windows(data: Data, split: str):
-    """The windows to evaluate: the fixed validation set, or as many evenly spaced training windows."""
-    if split == "val":
-        return data
-    import numpy as np
+def split_windows(data: Data, split: str, limit: int | None = None) -> Data:
+    """The windows to evaluate: the fixed validation set, or as many evenly spaced training windows
+    (bits per byte then by the training split's bytes per token); the first `limit` of them when
+    given. A mixture's are each source's own, chosen so (its parts are what Trainer.evaluate reads)."""
+    if data.parts:
+        parts = tuple(dataclasses.replace(p, data=split_windows(p.data, split, limit)) for p in data.parts)
+        first = parts[0].data
+        # the top-level fields are the first source's, as `prepare` leaves them
+        return dataclasses.replace(
+            data,
+            val=first.val,
+            val_window_ids=first.val_window_ids,
+            val_bytes_per_token=first.val_bytes_per_token,
+            parts=parts,
+        )
+    if split == "train":
+        import json
 
-    ids = np.unique(np.linspace(0, data.train.count - 1, len(data.val_window_ids)).round().astype(np.int64))
-    return dataclasses.replace(data, val=data.train, val_window_ids=ids)
+        import numpy as np
+
+        ids = np.unique(np.linspace(0, data.train.count - 1, len(data.val_window_ids)).round().astype(np.int64))
+        meta = json.loads((data.cache_path / "meta.json").read_text())["train"]
+        data = dataclasses.replace(
+            data, val=data.train, val_window_ids=ids, val_bytes_per_token=meta["bytes"] / max(1, meta["tokens"])
+        )
+    return data if limit is None else dataclasses.replace(data, val_window_ids=data.val_window_ids[:limit])
 
 
 def evaluate(
@@ -93,6 +111,9 @@ def evaluate(
     split: str = "val",
     batches: int | None = None,
 ) -> dict:
+    """Loss, perplexity and bits per byte of a kept checkpoint on `split`'s windows (the first
+    `batches` batches of them). A mixture's loss and bits per byte are its sources' weighted as
+    training weights them, and `sources` gives each source's own; `tokens` counts all sources'."""
     cfg = run_config(workdir, list(overrides))
     mesh = sharding.make_mesh(cfg)
     trainer = Trainer(cfg, mesh)
@@ -102,19 +123,38 @@ def evaluate(
         raise ConfigError(
             "data.tokenizer", f"gives {data.vocab_size} ids; the model was trained with {cfg.model.vocab_size}"
         )
-    data = split_windows(data, split)
-    if batches is not None:
-        data = dataclasses.replace(data, val_window_ids=data.val_window_ids[: batches * cfg.train.batch_size])
+    data = split_windows(data, split, None if batches is None else batches * cfg.train.batch_size)
     result = trainer.evaluate(params, data)
-    tokens = len(data.val_window_ids) * cfg.data.seq_len
-    return {
+    out = {
         "step": step,
         "split": split,
-        "source": cfg.data.source,
+        "source": cfg.data.source if not data.parts else f"a mixture of {len(data.parts)} sources",
         "loss": result["val_loss"],
         "perplexity": result["val_perplexity"],
         "bits_per_byte": result["val_bits_per_byte"],
-        "tokens": tokens,
+        "tokens": sum(len(d.val_window_ids) for d in _sources(data)) * cfg.data.seq_len,
+    }
+    if data.parts:
+        out["sources"] = per_source(cfg, data, result)
+    return out
+
+
+def _sources(data: Data) -> list[Data]:
+    """Each source's Data: a mixture's parts, or the one source."""
+    return [p.data for p in data.parts] or [data]
+
+
+def per_source(cfg: Config, data: Data, result: dict[str, float]) -> dict[str, dict]:
+    """A mixture's sources by name: spec, normalised weight, loss, bits per byte and tokens evaluated."""
+    return {
+        p.name: {
+            "source": entry.source,
+            "weight": p.weight,
+            "loss": result[f"val/{p.name}/loss"],
+            "bits_per_byte": result[f"val/{p.name}/bits_per_byte"],
+            "tokens": len(p.data.val_window_ids) * cfg.data.seq_len,
+        }
+        for entry, p in zip(cfg.data.mixture, data.parts)
     }
 
 
