@@ -407,6 +407,11 @@ def test_a_binary_file_among_text_files_is_one_line_naming_it(tmp_path):
     write_jsonl(tmp_path / "pkg" / "rows.jsonl", ["a row"])
     message = one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg/**/*.*[ly]", tmp_path / "cache"))
     assert "one kind" in message and ".jsonl" in message and ".py" in message
+    # a document format is refused by its extension, whatever its bytes, with a hint to convert it
+    (tmp_path / "pkg" / "rows.jsonl").unlink()
+    (tmp_path / "pkg" / "paper.pdf").write_text("%PDF-1.4 looks like text")
+    message = one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg/*", tmp_path / "cache"))
+    assert message.startswith("data.source:") and ".pdf files" in message and "convert them" in message
 
 
 def test_non_utf8_bytes_do_not_crash_the_byte_tokenizer(tmp_path):

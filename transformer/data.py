@@ -249,9 +249,21 @@ def _documents_from_files(cfg: DataConfig, source: DataSource):
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+# formats that hold text but are not text (documents, archives, arrays): refused by name, whatever
+# their bytes, with a hint to convert them, rather than read as text or called "binary"
+NOT_TEXT = {".docx", ".doc", ".pdf", ".odt", ".rtf", ".epub", ".xlsx", ".xls", ".pptx", ".zip", ".gz", ".bz2"}
+NOT_TEXT |= {".xz", ".zst", ".tar", ".7z", ".arrow", ".feather", ".npy", ".npz", ".pkl", ".pt", ".safetensors"}
+
+
 def _builder(source: DataSource, files: list[Path]) -> str:
     """The datasets builder that reads `files`: that of their kind, all of one kind; files of other
     extensions are plain text (one document per file, as .txt), and may go with .txt files."""
+    refused = sorted({f.suffix for f in files if f.suffix.lower() in NOT_TEXT})
+    if refused:
+        raise DataError(
+            f"data.source: {source.text} matches {', '.join(refused)} files, which this loader cannot read; "
+            "convert them to text (.txt, .jsonl, ...) or narrow the glob"
+        )
     kinds = {BUILDERS.get(f.suffix.lower(), "text") for f in files}
     if len(kinds) != 1:
         suffixes = sorted({f.suffix or "(none)" for f in files})
