@@ -158,9 +158,7 @@ def restart(workdir: Path, events: RunWriter, log: Callable[[str], None]) -> Non
     """Start over a run that ended (killed, preempted, crashed) before its first checkpoint: its
     metrics belong to a trajectory that is trained again from step 0, so they go, all of them (the
     rerun's file then reads as an uninterrupted run's); the events stay, with a `restart` to say why."""
-    path = workdir / rundir.METRICS
-    dropped = len(path.read_text().splitlines()) if path.exists() else 0
-    rundir.atomic_write(path, "")
+    dropped = rundir.truncate_metrics(workdir, 0)
     events.event("restart", 0, reason="no checkpoint to resume from: starting over", dropped_metrics=dropped)
     log(f"starting {workdir} over: its previous attempt ended before its first checkpoint")
 

@@ -154,13 +154,13 @@ def status(workdir: Path, steps: int | None = None) -> str:
 
 
 def truncate_metrics(workdir: Path, step: int) -> int:
-    """Drop metrics logged after `step` (a resumed run logs them again), and torn lines; returns how
-    many lines went."""
+    """Drop metrics logged after `step` (a resumed run logs them again; 0: all of them), and torn
+    lines; returns how many lines went."""
     path = workdir / METRICS
     if not path.exists():
         return 0
     lines = path.read_text().splitlines()
-    keep = [line for line in lines if _step_of(line) <= step]
+    keep = [line for line in lines if 0 <= _step_of(line) <= step]
     if len(keep) != len(lines):
         atomic_write(path, "".join(line + "\n" for line in keep))
     return len(lines) - len(keep)
