@@ -26,8 +26,9 @@ from transformer.job import resume_changes, run
 def test_readers_skip_a_torn_line_and_truncate_drops_later_steps(tmp_path):
     (tmp_path / rundir.METRICS).write_text('{"step": 1, "loss": 2}\n{"step": 2, "loss": 1}\n{"step": 3, "lo')
     assert [r["step"] for r in rundir.read_metrics(tmp_path)] == [1, 2]
-    assert rundir.truncate_metrics(tmp_path, 1) == 1
-    assert [r["step"] for r in rundir.read_metrics(tmp_path)] == [1]
+    assert rundir.truncate_metrics(tmp_path, 1) == 2  # step 2 and the torn line
+    assert (tmp_path / rundir.METRICS).read_text() == '{"step": 1, "loss": 2}\n'
+    assert rundir.truncate_metrics(tmp_path, 0) == 1 and (tmp_path / rundir.METRICS).read_text() == ""
 
 
 def test_status_follows_the_events():
@@ -335,11 +336,3 @@ def test_kills_at_random_moments_resume(tmp_path):
         "sweep_trials": 1,
         "sweep_held": 1,
     }
-
-
-def test_truncating_metrics_drops_later_steps_and_torn_lines(tmp_path):
-    (tmp_path / rundir.METRICS).write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo\n{"step": 3, "loss": 2.0}\n')
-    assert rundir.truncate_metrics(tmp_path, 2) == 2  # the torn line and step 3
-    assert [r["step"] for r in rundir.read_metrics(tmp_path)] == [1]
-    assert (tmp_path / rundir.METRICS).read_text() == '{"step": 1, "loss": 3.0}\n'
-    assert rundir.truncate_metrics(tmp_path, 0) == 1 and (tmp_path / rundir.METRICS).read_text() == ""
