@@ -153,3 +153,13 @@ def test_eval_kv_cache_beyond_memory_is_refused_with_the_figure(capsys, config_o
     assert "--max-new-tokens" in line and "TB" in line and "KV cache" in line
     # within the vocabulary and memory, sampling goes on to the checkpoint (this run has none)
     assert "no checkpoint" in eval_usage_error(capsys, *argv[:4], "--top-k", "259")
+
+
+def test_runs_started_in_the_same_second_get_their_own_default_directories(tmp_path, monkeypatch):
+    from transformer import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli.time, "strftime", lambda fmt: "20261201-000000")
+    first, second = cli._default_workdir("configs/x.yaml"), cli._default_workdir("configs/x.yaml")
+    assert first == Path("runs/x-20261201-000000") and second == Path("runs/x-20261201-000000-2")
+    assert first.is_dir() and second.is_dir()

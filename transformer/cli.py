@@ -6,6 +6,7 @@ User mistakes (bad config, bad arguments) end with exit code 2 and one line on s
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -174,8 +175,23 @@ def _sweep_dry_run(sweep: Sweep) -> int:
 
 
 def _default_workdir(config: str | None) -> Path:
+    """runs/<config>-<time>, claimed by creating it: two runs started in the same second get their
+    own directories (-2, -3, ...) rather than one refusing the other's lock. The processes of one
+    multi-process run must agree on the name without talking, so they take the plain one."""
+    import jax
+
     name = Path(config).stem if config else "default"
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if jax.process_count() > 1:
+        return base
+    for n in itertools.count(1):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def eval_parser() -> argparse.ArgumentParser:
