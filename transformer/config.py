@@ -35,6 +35,8 @@ Ffn = Literal["relu", "gelu", "swiglu", "geglu", "reglu"]
 GATED_FFNS = ("swiglu", "geglu", "reglu")
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
 AttentionImpl = Literal["xla", "einsum", "cudnn"]
+AttentionKind = Literal["mha", "mla"]  # mha covers GQA and MQA through n_kv_heads
+MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 LayerKind = Literal["local", "global"]
 Remat = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -102,6 +104,14 @@ class ModelConfig:
     window: int | None = None  # sliding-window size in tokens (a query sees itself and window-1 back)
     attention_pattern: tuple[LayerKind, ...] | None = None  # cycled over layers, e.g. local,local,global
     attention_impl: AttentionImpl = "xla"
+    # Multi-head latent attention (DeepSeek-V2): model.attention=mla and its sizes (null: derived from
+    # head_dim as in DeepSeek-V2, d_c = 4*d_h, d_h^R = d_h/2; q_lora_rank null = full-rank queries).
+    attention: AttentionKind = "mha"
+    kv_lora_rank: DerivedInt = None  # type: ignore[assignment]
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: DerivedInt = None  # type: ignore[assignment]
+    qk_nope_head_dim: DerivedInt = None  # type: ignore[assignment]
+    v_head_dim: DerivedInt = None  # type: ignore[assignment]
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     position: Position = "rope"
     rope_theta: float = 10000.0
@@ -131,6 +141,7 @@ class ModelConfig:
         self._check_windows()
         self._check_scalars()
         self._check_attention_impl()
+        self._check_mla()
         _check(  # a learned table needs a last row: see max_positions
             self.position != "learned" or self.max_seq_len is not None,
             "max_seq_len",
@@ -216,6 +227,43 @@ class ModelConfig:
             "cudnn attention runs in bfloat16 or float16; set model.dtype accordingly",
         )
 
+    def _check_mla(self) -> None:
+        """MLA's sizes (derived where null) fit, and what it cannot combine with is refused."""
+        if self.attention != "mla":
+            for name in MLA_SIZES:
+                _check(getattr(self, name) is None, name, "is an MLA size: set model.attention=mla, or leave it out")
+            return
+        h = self.head_dim
+        for name, default in (("qk_nope_head_dim", h), ("qk_rope_head_dim", max(2, h // 4 * 2)), ("v_head_dim", h)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        for name in (*MLA_SIZES[2:], *MLA_SIZES[:2]):  # the head sizes first: the rank's default needs them
+            if name == "kv_lora_rank" and self.kv_lora_rank is None:
+                object.__setattr__(self, name, min(4 * h, self.mla_kv_width))
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        _check(
+            self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"RoPE needs an even size, got {self.qk_rope_head_dim}"
+        )
+        for name, width, what in (
+            ("kv_lora_rank", self.mla_kv_width, "n_heads*(qk_nope_head_dim+v_head_dim)"),
+            ("q_lora_rank", self.n_heads * self.qk_head_dim, "n_heads*(qk_nope_head_dim+qk_rope_head_dim)"),
+        ):
+            value = getattr(self, name)
+            _check(
+                value is None or value <= width,
+                name,
+                f"must be at most {what} = {width}, the width it is projected up to (a wider latent compresses nothing), got {value}",
+            )
+        for name, ok, why in (
+            ("position", self.position == "rope", "MLA needs position=rope (its RoPE is on a decoupled key)"),
+            ("n_kv_heads", self.n_kv_heads == self.n_heads, "MLA shares one latent by all heads: leave it at n_heads"),
+            ("qk_norm", not self.qk_norm, "MLA normalises its latents already; qk_norm is for attention=mha"),
+            ("use_bias", not self.use_bias, "MLA has no bias terms (DeepSeek-V2); set use_bias=false"),
+            ("attention_impl", self.attention_impl != "cudnn", "MLA runs with xla or einsum, not cudnn"),
+        ):
+            _check(ok, name, why)
+
     # --- derived values -------------------------------------------------------------------------
     @property
     def n_kv_groups(self) -> int:
@@ -272,8 +320,18 @@ class ModelConfig:
         return self.max_positions is None or length <= self.max_positions
 
     @property
+    def qk_head_dim(self) -> int:
+        """Width of a query/key head: MLA's queries and keys carry the rope part beside the rest."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def mla_kv_width(self) -> int:
+        """What MLA's latent is projected up to: every head's key (without rope part) and value."""
+        return self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+
+    @property
     def scale(self) -> float:
-        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+        return self.attn_scale if self.attn_scale is not None else self.qk_head_dim**-0.5
 
 
 SourceKind = Literal["builtin", "hf", "files"]

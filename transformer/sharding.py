@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from transformer.config import Config, ConfigError, ModelConfig, check_tensor_split
 from transformer.errors import first_line
-from transformer.model.summary import count_params
+from transformer.model.summary import count_params, kv_cache_bytes_per_token
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -32,6 +32,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "head_dim": None,
+    "latent": None,  # MLA's latents: each tensor shard projects its own heads up from the whole latent
     "layers": None,
 }
 
@@ -229,7 +230,7 @@ def check_training_memory(cfg: Config, sizes: dict[str, int]) -> None:
 def check_generation_memory(m: ModelConfig, rows: int, new_tokens: int) -> None:
     """Refuse sampling whose KV cache (a sliding-window layer's is bounded by its window) and
     generated tokens cannot fit in one device's memory. The key named is `--max-new-tokens`."""
-    per_token_layer = 2 * m.n_kv_heads * m.head_dim * jnp.dtype(m.dtype).itemsize
+    per_token_layer = kv_cache_bytes_per_token(m) // m.n_layers
     cache = rows * sum(new_tokens if w is None else min(w, new_tokens) for w in m.layer_windows) * per_token_layer
     need = cache + rows * new_tokens * 4
     have, where = device_memory()

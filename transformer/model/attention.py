@@ -147,9 +147,14 @@ class Attention(nnx.Module):
             y_BxTxD = y_BxTxD + self.out_bias[...].astype(dtype)
         return y_BxTxD, new_cache
 
+    def empty_cache(self, batch: int, size: int) -> KVCache:
+        """An empty cache of `size` entries for this layer (what it holds is the variant's choice)."""
+        return init_cache(self.cfg, batch, size)
+
     def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(q [B, T, K, G, H], k [B, T, K, H], v [B, T, K, H]): the fused projection, qk-norm, and
-        the rotation the position scheme applies to queries and keys."""
+        the rotation the position scheme applies to queries and keys. (MLA returns its latent and
+        shared rope key in place of k and v; its `keys_and_mask` expands them.)"""
         G, dtype = self.cfg.n_kv_groups, x_BxTxD.dtype
         qkv_BxTxKxCxH = jnp.einsum("BTD,DKCH->BTKCH", x_BxTxD, self.qkv[...].astype(dtype))
         if self.qkv_bias is not None:
@@ -185,13 +190,11 @@ class Attention(nnx.Module):
                 index_T = jnp.arange(k_BxTxKxH.shape[1])
                 mask_BxTxS = attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT)
             return Keys(k_BxTxKxH, v_BxTxKxH, positions_BxT, mask_BxTxS, static), None
-        dtype = k_BxTxKxH.dtype
-        k_BxSxKxH = jnp.concatenate([cache["k"].astype(dtype), k_BxTxKxH], axis=1)
-        v_BxSxKxH = jnp.concatenate([cache["v"].astype(dtype), v_BxTxKxH], axis=1)
-        k_positions_BxS = jnp.concatenate([cache["pos"], positions_BxT], axis=1)
+        new = {"k": k_BxTxKxH, "v": v_BxTxKxH}
+        entries, k_positions_BxS = cached_and_new(cache, new, positions_BxT)
         mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
-        keys = Keys(k_BxSxKxH, v_BxSxKxH, k_positions_BxS, mask_BxTxS, static=False)
-        return keys, write_cache(cache, k_BxTxKxH, v_BxTxKxH, positions_BxT, index)
+        keys = Keys(entries["k"], entries["v"], k_positions_BxS, mask_BxTxS, static=False)
+        return keys, write_cache(cache, new, positions_BxT, index)
 
     def attend(
         self,
@@ -210,7 +213,7 @@ class Attention(nnx.Module):
             out_BxTxKxGxH = attend_einsum(
                 q_BxTxKxGxH, keys.k_BxSxKxH, keys.v_BxSxKxH, keys.mask_BxTxS, bias_BxKxGxTxS, cfg, key
             )
-            return out_BxTxKxGxH.reshape(B, T, K * G, H)
+            return out_BxTxKxGxH.reshape(B, T, K * G, -1)  # values may be narrower than queries (MLA)
         static_window = window if keys.static and not isinstance(window, jax.Array) else None
         return jax.nn.dot_product_attention(
             q_BxTxKxGxH.reshape(B, T, K * G, H),
@@ -270,22 +273,27 @@ def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
     }
 
 
-def write_cache(
-    cache: KVCache, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array, positions_BxT: jax.Array, index: int | jax.Array
-) -> KVCache:
-    """Store the T new entries at absolute indices index..index+T-1 in slots index % size; of more
-    than `size` new entries only the last `size` can stay."""
-    size, T = cache["pos"].shape[1], k_BxTxKxH.shape[1]
+def cached_and_new(
+    cache: KVCache, new: dict[str, jax.Array], positions_BxT: jax.Array
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    """Each cached entry followed by its T new ones along S (in the new entries' dtype), and the
+    positions of all S: what the new tokens attend to."""
+    entries = {name: jnp.concatenate([cache[name].astype(value.dtype), value], axis=1) for name, value in new.items()}
+    return entries, jnp.concatenate([cache["pos"], positions_BxT], axis=1)
+
+
+def write_cache(cache: KVCache, new: dict[str, jax.Array], positions_BxT: jax.Array, index: int | jax.Array) -> KVCache:
+    """Store the T new entries (each [B, T, ...], by name) at absolute indices index..index+T-1 in
+    slots index % size; of more than `size` new entries only the last `size` can stay."""
+    size, T = cache["pos"].shape[1], positions_BxT.shape[1]
     if T > size:
-        k_BxTxKxH, v_BxTxKxH, positions_BxT = k_BxTxKxH[:, -size:], v_BxTxKxH[:, -size:], positions_BxT[:, -size:]
+        new = {name: value[:, -size:] for name, value in new.items()}
+        positions_BxT = positions_BxT[:, -size:]
         index = index + T - size
         T = size
     slots_T = (index + jnp.arange(T)) % size
-    return {
-        "k": cache["k"].at[:, slots_T].set(k_BxTxKxH.astype(cache["k"].dtype)),
-        "v": cache["v"].at[:, slots_T].set(v_BxTxKxH.astype(cache["v"].dtype)),
-        "pos": cache["pos"].at[:, slots_T].set(positions_BxT),
-    }
+    updated = {name: cache[name].at[:, slots_T].set(value.astype(cache[name].dtype)) for name, value in new.items()}
+    return {**updated, "pos": cache["pos"].at[:, slots_T].set(positions_BxT)}
 
 
 def position_mask(q_positions_BxT: jax.Array, k_positions_BxS: jax.Array, window: Window) -> jax.Array:

@@ -31,6 +31,8 @@ def count_params(cfg: ModelConfig) -> int:
     attention = D * (N + 2 * K) * H + N * H * D
     attention += ((N + 2 * K) * H + D) if cfg.use_bias else 0
     attention += 2 * H if cfg.qk_norm else 0
+    if cfg.attention == "mla":  # (the config refuses biases and qk-norm with MLA)
+        attention = mla_matmul_params(cfg) + mla_norm_params(cfg)
     ffn_in = (2 if cfg.gated_ffn else 1) * F
     ffn = D * ffn_in + F * D + ((ffn_in + D) if cfg.use_bias else 0)
     per_layer = attention + ffn + cfg.norms_per_block * norm
@@ -88,18 +90,42 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     Each weight used in a matmul costs 2 FLOPs per token forward (the input embedding is a lookup
     and costs none; the output head does, tied or not). Attention scores and the weighted sum cost
-    2 * 2 * N * H per attended key, counting only the causal (unmasked) half.
+    2 * 2 * N * H per attended key, counting only the causal (unmasked) half (MLA: 2 * N * (A + E + Y)).
+    MLA is counted as trained, keys and values projected up from the latent for every token.
     """
     D, L, V, F = cfg.d_model, cfg.n_layers, cfg.padded_vocab, cfg.d_ff
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    matmul_params = L * (D * (N + 2 * K) * H + N * H * D + (3 if cfg.gated_ffn else 2) * D * F) + D * V
-    forward = 2 * matmul_params + L * 4 * N * H * mean_attended_keys(cfg, seq_len)
+    attention = mla_matmul_params(cfg) if cfg.attention == "mla" else D * (N + 2 * K) * H + N * H * D
+    matmul_params = L * (attention + (3 if cfg.gated_ffn else 2) * D * F) + D * V
+    value_width = cfg.v_head_dim if cfg.attention == "mla" else H
+    per_key = 2 * N * (cfg.qk_head_dim + value_width)  # scores, then the weighted sum of values
+    forward = 2 * matmul_params + L * per_key * mean_attended_keys(cfg, seq_len)
     return 3 * forward
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
-    """2 (K and V) * L * K * H * bytes per element, in the compute dtype."""
+    """2 (K and V) * L * K * H * bytes per element, in the compute dtype; MLA: L * (R + E) * bytes,
+    its latent and shared rope key."""
+    if cfg.attention == "mla":
+        return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(cfg.dtype).itemsize
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+# --- multi-head latent attention (model/mla.py), per layer -----------------------------------------
+
+
+def mla_matmul_params(cfg: ModelConfig) -> int:
+    """MLA's weights: queries (full-rank D*N*H, or D*Q + Q*N*H through the query latent), the
+    latent D*R and rope key D*E, their up-projections R*N*(A + Y), and the output N*Y*D."""
+    D, N, H, Q = cfg.d_model, cfg.n_heads, cfg.qk_head_dim, cfg.q_lora_rank
+    queries = D * N * H if Q is None else D * Q + Q * N * H
+    keys_values = D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.mla_kv_width * cfg.kv_lora_rank
+    return queries + keys_values + N * cfg.v_head_dim * D
+
+
+def mla_norm_params(cfg: ModelConfig) -> int:
+    """The RMSNorm gains on MLA's latents."""
+    return cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
 
 
 def summary_text(cfg: ModelConfig, seq_len: int) -> str:
@@ -108,6 +134,12 @@ def summary_text(cfg: ModelConfig, seq_len: int) -> str:
     total = sum(by_component.values())
     windows = cfg.layer_windows
     attention = "MHA" if cfg.n_kv_heads == cfg.n_heads else "MQA" if cfg.n_kv_heads == 1 else "GQA"
+    if cfg.attention == "mla":
+        queries = "full-rank" if cfg.q_lora_rank is None else f"latent {cfg.q_lora_rank}"
+        attention = (
+            f"MLA: kv latent {cfg.kv_lora_rank}, rope {cfg.qk_rope_head_dim} + nope {cfg.qk_nope_head_dim}, "
+            f"v {cfg.v_head_dim}, queries {queries}"
+        )
     if any(w is not None for w in windows):
         attention += f", sliding window {cfg.window}"
         if cfg.attention_pattern:
@@ -123,5 +155,6 @@ def summary_text(cfg: ModelConfig, seq_len: int) -> str:
     lines.append(f"  {'total':<12} {total:>15,}")
     lines.append(f"FLOPs per token (forward+backward, seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
     kv = kv_cache_bytes_per_token(cfg)
-    lines.append(f"KV cache per token: {kv:,} bytes ({cfg.dtype}; 2*L*K*H*bytes)")
+    form = "L*(kv_lora_rank+qk_rope_head_dim)*bytes" if cfg.attention == "mla" else "2*L*K*H*bytes"
+    lines.append(f"KV cache per token: {kv:,} bytes ({cfg.dtype}; {form})")
     return "\n".join(lines)

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import GLOBAL_WINDOW, ModelConfig
-from transformer.model.attention import MASK_VALUE, Attention, KVCache, Window, cache_size, init_cache
+from transformer.model.attention import MASK_VALUE, Attention, KVCache, Window, cache_size
 from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param
+from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.positions import positions_for
 
 # Statistics by name: scalars as one block sows them, or [L] when stacked over the layers.
@@ -30,7 +31,8 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.attn = Attention(cfg, rngs=rngs)
+        # the one place model.attention is read
+        self.attn = (MultiHeadLatentAttention if cfg.attention == "mla" else Attention)(cfg, rngs=rngs)
         self.ffn = FFN(cfg, rngs=rngs)
         self.attn_norm = Norm(cfg)
         self.ffn_norm = Norm(cfg)
@@ -249,8 +251,9 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> list[KVCache]:
         """An empty KV cache for `max_len` tokens: per layer, K/V for the kv heads only (GQA and MQA
-        caches shrink in proportion), a ring buffer of `window` entries for sliding-window layers."""
-        return [init_cache(self.cfg, batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
+        caches shrink in proportion; MLA keeps its latent and rope key instead), a ring buffer of
+        `window` entries for sliding-window layers."""
+        return [self.blocks.attn.empty_cache(batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
 
     def decode(
         self, tokens_BxT: jax.Array, positions_BxT: jax.Array, cache: list[KVCache], index: int | jax.Array

@@ -1,0 +1,150 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2: Liu et al. 2024, section 2.1).
+
+Keys and values of every head are projected up from one compressed latent per token, and position
+enters through a small RoPE key shared by all heads, kept apart from the latent so that the
+latent's up-projections stay position-free. Per token x, with c^Q = RMSNorm(x W^DQ) for low-rank
+queries (x itself for full-rank ones):
+
+    c^KV = RMSNorm(x W^DKV)                      the latent, R = kv_lora_rank
+    k^R  = RoPE(x W^KR)                          the decoupled key, E = qk_rope_head_dim, all heads
+    k_n  = [c^KV W^UK_n ; k^R]                   A + E  (A = qk_nope_head_dim)
+    v_n  = c^KV W^UV_n                           Y = v_head_dim
+    q_n  = [c^Q W^UQ_n ; RoPE(c^Q W^QR_n)]       A + E
+    out  = sum_n softmax(q_n k_n^T / sqrt(A + E)) v_n W^O_n
+
+The KV cache holds c^KV and k^R only, (R + E) numbers per token and layer. Decoding projects the
+cached latents up again, the same computation as training, so cached decoding equals the full
+forward pass; absorbing W^UK into the queries would save that compute, not memory.
+
+Axis legend as in layers.py, plus R the KV latent, Q the query latent, E the RoPE part of a head,
+A the rest of a query/key head (H = A + E), Y the value head width. Queries are laid out as the
+base class's [B, T, K, G, H] with one "kv head" per query head (K = N, G = 1): the masks,
+implementations and statistics of `Attention` then apply unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from transformer.config import ModelConfig
+from transformer.model.attention import (
+    Attention,
+    Keys,
+    KVCache,
+    Window,
+    cached_and_new,
+    position_mask,
+    write_cache,
+)
+from transformer.model.layers import InitScales, Norm, normal_param
+from transformer.model.positions import positions_for
+
+
+class MultiHeadLatentAttention(Attention):
+    """Causal self-attention over keys and values decompressed from a per-token latent (MLA)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.positions = positions_for(cfg)
+        scales = InitScales.of(cfg)
+        D, N, H, A, Y = cfg.d_model, cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        R, E, Q = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_lora_rank
+        # full-rank queries (q_lora_rank null), or down to a normalised query latent and up again
+        full_rank = ("embed", "heads", "head_dim")
+        self.wq = normal_param(rngs, (D, N, H), full_rank, scales.qkv, cfg) if Q is None else None
+        self.wq_down = None if Q is None else normal_param(rngs, (D, Q), ("embed", "latent"), scales.qkv, cfg)
+        self.q_latent_norm = None if Q is None else Norm(cfg, dim=Q, axis_name="latent", kind="rmsnorm")
+        up = ("latent", "heads", "head_dim")
+        self.wq_up = None if Q is None else normal_param(rngs, (Q, N, H), up, scales.qkv, cfg)
+        self.wkv_down = normal_param(rngs, (D, R), ("embed", "latent"), scales.qkv, cfg)
+        self.kv_latent_norm = Norm(cfg, dim=R, axis_name="latent", kind="rmsnorm")
+        self.wk_rope = normal_param(rngs, (D, E), ("embed", "head_dim"), scales.qkv, cfg)
+        self.wk_up = normal_param(rngs, (R, N, A), ("latent", "heads", "head_dim"), scales.qkv, cfg)
+        self.wv_up = normal_param(rngs, (R, N, Y), ("latent", "heads", "head_dim"), scales.value, cfg)
+        self.out = normal_param(rngs, (N, Y, D), ("heads", "head_dim", "embed"), scales.attn_out, cfg)
+        self.out_bias = None  # the config refuses biases with MLA
+
+    def empty_cache(self, batch: int, size: int) -> KVCache:
+        """The latent and the shared rope key of `size` tokens: (R + E) numbers per token."""
+        cfg = self.cfg
+        return {
+            "latent": jnp.zeros((batch, size, cfg.kv_lora_rank), cfg.dtype),
+            "k_rope": jnp.zeros((batch, size, cfg.qk_rope_head_dim), cfg.dtype),
+            "pos": jnp.full((batch, size), -1, jnp.int32),  # -1: empty
+        }
+
+    def queries(self, x_BxTxD: jax.Array) -> jax.Array:
+        """q [B, T, N, H] before rotation: full-rank, or up from the normalised query latent."""
+        dtype = x_BxTxD.dtype
+        if self.wq is not None:
+            return jnp.einsum("BTD,DNH->BTNH", x_BxTxD, self.wq[...].astype(dtype))
+        assert self.wq_down is not None and self.q_latent_norm is not None and self.wq_up is not None
+        c_BxTxQ = self.q_latent_norm(jnp.einsum("BTD,DQ->BTQ", x_BxTxD, self.wq_down[...].astype(dtype)))
+        return jnp.einsum("BTQ,QNH->BTNH", c_BxTxQ, self.wq_up[...].astype(dtype))
+
+    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(q [B, T, N, 1, H] with its rope part rotated, the latent [B, T, R], the rotated shared
+        key [B, T, E]): the queries, and what the cache keeps of the keys and values."""
+        dtype, A = x_BxTxD.dtype, self.cfg.qk_nope_head_dim
+        q_BxTxNxH = self.queries(x_BxTxD)
+        q_rope_BxTxNxE = self.positions.rotate(q_BxTxNxH[..., A:], positions_BxT)
+        q_BxTxNxH = jnp.concatenate([q_BxTxNxH[..., :A], q_rope_BxTxNxE], axis=-1)
+        latent_BxTxR = self.kv_latent_norm(jnp.einsum("BTD,DR->BTR", x_BxTxD, self.wkv_down[...].astype(dtype)))
+        k_rope_BxTxE = jnp.einsum("BTD,DE->BTE", x_BxTxD, self.wk_rope[...].astype(dtype))
+        return q_BxTxNxH[:, :, :, None], latent_BxTxR, self.positions.rotate(k_rope_BxTxE, positions_BxT)
+
+    def expand(self, latent_BxSxR: jax.Array, k_rope_BxSxE: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(k [B, S, N, H], v [B, S, N, Y]): every head's key and value up from the latent, the
+        shared rope key appended to each key."""
+        dtype, N = latent_BxSxR.dtype, self.cfg.n_heads
+        k_nope_BxSxNxA = jnp.einsum("BSR,RNA->BSNA", latent_BxSxR, self.wk_up[...].astype(dtype))
+        v_BxSxNxY = jnp.einsum("BSR,RNY->BSNY", latent_BxSxR, self.wv_up[...].astype(dtype))
+        B, S, E = k_rope_BxSxE.shape
+        k_rope_BxSxNxE = jnp.broadcast_to(k_rope_BxSxE[:, :, None].astype(dtype), (B, S, N, E))
+        return jnp.concatenate([k_nope_BxSxNxA, k_rope_BxSxNxE], axis=-1), v_BxSxNxY
+
+    def keys_and_mask(
+        self,
+        latent_BxTxR: jax.Array,
+        k_rope_BxTxE: jax.Array,
+        positions_BxT: jax.Array,
+        segment_ids_BxT: jax.Array | None,
+        window: Window,
+        cache: KVCache | None,
+        index: int | jax.Array,
+    ) -> tuple[Keys, KVCache | None]:
+        """The keys and values the new tokens attend to, expanded from the latents (the cached ones
+        and the new), their mask, and the cache with the new latents."""
+        if cache is None:
+            k_BxTxNxH, v_BxTxNxY = self.expand(latent_BxTxR, k_rope_BxTxE)
+            return super().keys_and_mask(k_BxTxNxH, v_BxTxNxY, positions_BxT, segment_ids_BxT, window, None, index)
+        new = {"latent": latent_BxTxR, "k_rope": k_rope_BxTxE}
+        entries, k_positions_BxS = cached_and_new(cache, new, positions_BxT)
+        k_BxSxNxH, v_BxSxNxY = self.expand(entries["latent"], entries["k_rope"])
+        mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
+        keys = Keys(k_BxSxNxH, v_BxSxNxY, k_positions_BxS, mask_BxTxS, static=False)
+        return keys, write_cache(cache, new, positions_BxT, index)
+
+    def attend(
+        self,
+        q_BxTxKxGxH: jax.Array,
+        keys: Keys,
+        bias_BxNxTxS: jax.Array | None,
+        window: Window,
+        key: jax.Array | None,
+    ) -> jax.Array:
+        """out [B, T, N, Y]. jax.nn.dot_product_attention wants values as wide as keys, so the
+        narrower side is padded with zeros: zero query/key columns add nothing to the scores (the
+        scale is passed explicitly), zero value columns give output columns that are cut off."""
+        H, Y = q_BxTxKxGxH.shape[-1], keys.v_BxSxKxH.shape[-1]
+        if self.cfg.attention_impl == "einsum" or H == Y:
+            return super().attend(q_BxTxKxGxH, keys, bias_BxNxTxS, window, key)
+        width = max(H, Y)
+
+        def pad(a: jax.Array) -> jax.Array:
+            return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])])
+
+        padded = keys._replace(k_BxSxKxH=pad(keys.k_BxSxKxH), v_BxSxKxH=pad(keys.v_BxSxKxH))
+        return super().attend(pad(q_BxTxKxGxH), padded, bias_BxNxTxS, window, key)[..., :Y]
