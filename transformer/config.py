@@ -257,7 +257,11 @@ class ModelConfig:
             )
         for name, ok, why in (
             ("position", self.position == "rope", "MLA needs position=rope (its RoPE is on a decoupled key)"),
-            ("n_kv_heads", self.n_kv_heads == self.n_heads, "MLA shares one latent by all heads: leave it at n_heads"),
+            (
+                "n_kv_heads",
+                self.n_kv_heads == self.n_heads,
+                f"MLA has no kv heads (one latent serves every head): set it to n_heads ({self.n_heads}) or null",
+            ),
             ("qk_norm", not self.qk_norm, "MLA normalises its latents already; qk_norm is for attention=mha"),
             ("use_bias", not self.use_bias, "MLA has no bias terms (DeepSeek-V2); set use_bias=false"),
             ("attention_impl", self.attention_impl != "cudnn", "MLA runs with xla or einsum, not cudnn"),
