@@ -105,14 +105,14 @@ class ModelConfig:
     attention_pattern: tuple[LayerKind, ...] | None = None  # cycled over layers, e.g. local,local,global
     attention_impl: AttentionImpl = "xla"
     # Multi-head latent attention (DeepSeek-V2): model.attention=mla and its sizes (null: derived from
-    # head_dim as in DeepSeek-V2, d_c = 4*d_h, d_h^R = d_h/2; q_lora_rank null = full-rank queries).
+    # head_dim as in DeepSeek-V2, d_c = 4*d_h, d_h^R = d_h/2 made even; q_lora_rank null = full-rank queries).
     attention: AttentionKind = "mha"
     kv_lora_rank: DerivedInt = None  # type: ignore[assignment]
     q_lora_rank: int | None = None
     qk_rope_head_dim: DerivedInt = None  # type: ignore[assignment]
     qk_nope_head_dim: DerivedInt = None  # type: ignore[assignment]
     v_head_dim: DerivedInt = None  # type: ignore[assignment]
-    attn_scale: float | None = None  # None: 1/sqrt(head_dim)
+    attn_scale: float | None = None  # None: 1/sqrt(qk_head_dim), the width of a query/key head
     position: Position = "rope"
     rope_theta: float = 10000.0
     norm: Norm = "rmsnorm"
