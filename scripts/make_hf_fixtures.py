@@ -40,6 +40,7 @@ FIXTURES = {
     "gpt2": transformers.GPT2Config(
         n_embd=32, n_layer=2, n_head=4, n_positions=64, activation_function="gelu", vocab_size=VOCAB
     ),
+    # rope frequencies with wavelengths 6.3 (kept), 20 (blended) and >= 63 tokens (stretched) under llama3
     "llama": transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -50,11 +51,11 @@ FIXTURES = {
         max_position_embeddings=64,
         rope_parameters=dict(
             rope_type="llama3",
-            rope_theta=500000.0,
+            rope_theta=10000.0,
             factor=8.0,
             low_freq_factor=1.0,
             high_freq_factor=4.0,
-            original_max_position_embeddings=16,
+            original_max_position_embeddings=32,
         ),
         **COMMON,
     ),

@@ -131,6 +131,9 @@ class ModelConfig:
     dtype: DType = "float32"  # compute dtype; softmax, norms and logits are always float32
     scan_layers: bool = True
     remat: Remat = "none"
+    # a Hugging Face model directory: the architecture keys come from its config.json, the first
+    # parameters from its weights (transformer/hf.py)
+    init_from: str | None = None
 
     def __post_init__(self):
         _check_ints(self)
@@ -612,7 +615,15 @@ class Config:
             check_tensor_split(m, self.mesh.tensor)
 
     def with_vocab(self, vocab_size: int) -> Config:
-        """This config with the model's vocabulary taken from the tokenizer."""
+        """This config with the model's vocabulary taken from the tokenizer; a pretrained model keeps
+        its own, which the tokenizer's ids must fit in."""
+        if self.model.init_from is not None:
+            _check(
+                vocab_size <= self.model.vocab_size,
+                "data.tokenizer",
+                f"gives {vocab_size} ids, more than the pretrained model's {self.model.vocab_size} (model.init_from)",
+            )
+            return self
         return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab_size))
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.config import ConfigError, ModelConfig
+from transformer.config import Config, ConfigError, ModelConfig
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
@@ -668,7 +668,7 @@ def export_family(m: ModelConfig) -> Family:
     return family
 
 
-def hf_config(m: ModelConfig, family: Family, token_ids: dict[str, int | None]) -> dict:
+def hf_config(m: ModelConfig, family: Family, token_ids: dict[str, Any]) -> dict:
     return {
         "architectures": [family.architecture],
         "model_type": family.name,
@@ -690,7 +690,7 @@ def hf_tensors(m: ModelConfig, family: Family, params: dict) -> dict[str, np.nda
     return tensors
 
 
-def save(m: ModelConfig, params: dict, out: Path, token_ids: dict[str, int | None] | None = None) -> Family:
+def save(m: ModelConfig, params: dict, out: Path, token_ids: dict[str, Any] | None = None) -> Family:
     """Write config.json and model.safetensors for `params` (a model of `m`) into `out`."""
     from safetensors.numpy import save_file
 
@@ -742,3 +742,111 @@ def load_model(path: str | Path, **options: Any):
     params = load_params(path, m, abstract_params(m))
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0))))
     return m, nnx.merge(graphdef, params)
+
+
+# --- the command-line paths: train.py model.init_from=PATH, eval.py --hf PATH / --export-hf OUT -------------
+
+
+def _written_keys(config_path: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The flattened keys the user's config (file chain and overrides) sets to values of its own: those
+    that differ from the embedded default config's, which stands in for what nobody wrote."""
+    from transformer.config import flatten
+    from transformer.config_loader import load_raw
+
+    written, default = flatten(load_raw(config_path, overrides)), flatten(load_raw(None))
+    missing = object()
+    return {k: v for k, v in written.items() if default.get(k, missing) != v}
+
+
+def with_pretrained(cfg: Config, config_path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """`cfg` with the architecture of its model.init_from checkpoint, and its tokenizer when the
+    config names none. A model key the config sets to a value config.json contradicts is refused
+    with a diff, before anything is built."""
+    assert cfg.model.init_from is not None
+    path = Path(cfg.model.init_from).expanduser()
+    arch = architecture(path)
+    written = _written_keys(config_path, list(overrides))
+    clashes = [
+        f"model.{key}: {getattr(cfg.model, key)!r} (config) vs {value!r} (config.json)"
+        for key, value in arch.items()
+        if f"model.{key}" in written and getattr(cfg.model, key) != value
+    ]
+    if clashes:
+        raise ConfigError(
+            "model.init_from",
+            f"{path}/{CONFIG_JSON} sets the architecture, and the config contradicts it: {'; '.join(clashes)}; "
+            "leave those keys out",
+        )
+    data = cfg.data
+    if "data.tokenizer" not in written and (path / TOKENIZER_JSON).is_file():
+        data = dataclasses.replace(data, tokenizer=f"pretrained:{path}")
+    model = dataclasses.replace(cfg.model, **arch)
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
+def run_config(path: Path, overrides: Sequence[str] = ()) -> Config:
+    """What `eval.py --hf PATH` evaluates with: the default config with model.init_from=PATH, and the
+    overrides (data.source=..., mesh.*)."""
+    from transformer.config_loader import load_config
+
+    given = [f"model.init_from={path}", *overrides]
+    return with_pretrained(load_config(None, given), None, given)
+
+
+def _params_on_mesh(cfg: Config, path: Path, trainer) -> dict:
+    return load_params(path, cfg.model, trainer.abstract_state().params)
+
+
+def evaluate(path: Path, overrides: Sequence[str] = (), split: str = "val", batches: int | None = None) -> dict:
+    """`eval.py --hf PATH`: as `evaluate.evaluate` of a run, at step 0, on the config's data."""
+    from transformer import sharding
+    from transformer.evaluate import evaluate_params
+    from transformer.trainer import Trainer
+
+    cfg = run_config(path, overrides)
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
+    return evaluate_params(cfg, trainer, _params_on_mesh(cfg, path, trainer), 0, None, split, batches)
+
+
+def sample(path: Path, prompts: list[str], sampling) -> list[str]:
+    """`eval.py --hf PATH --generate ...`: continuations of the prompts, with PATH's tokenizer."""
+    from flax import nnx
+
+    from transformer.data import cache_directory, make_tokenizer
+    from transformer.evaluate import checked_prompts, complete
+    from transformer.model import Transformer
+
+    cfg = run_config(path)
+    tokenizer = make_tokenizer(cfg.data, None, cache_directory(cfg.data))
+    encoded = checked_prompts(cfg, tokenizer, prompts, sampling)
+    params = load_params(path, cfg.model, abstract_params(cfg.model))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    return complete(nnx.merge(graphdef, params), tokenizer, encoded, sampling)
+
+
+def export_run(workdir: Path, step: int | None, out: Path, note: Callable[[str], None]) -> str:
+    """`eval.py --workdir RUN [--step N] --export-hf OUT`: the checkpoint as a Hugging Face model
+    directory, with the run's tokenizer; returns a line saying what was written."""
+    from flax import nnx
+
+    from transformer.checkpoint import load
+    from transformer.data import cache_directory, make_tokenizer
+    from transformer.evaluate import run_config as saved_config
+    from transformer.tokenizer import HFTokenizer
+
+    cfg = saved_config(workdir, [])
+    family = export_family(cfg.model)  # refuse before reading anything
+    if out.exists() and any(out.iterdir()):
+        raise HFError("--export-hf", f"{out} exists and is not empty: give a new directory")
+    tokenizer = make_tokenizer(cfg.data, workdir, cache_directory(cfg.data))
+    _, model = load(workdir, step, note)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    save(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, ids)
+    written = [CONFIG_JSON, WEIGHTS]
+    if isinstance(tokenizer, HFTokenizer):
+        for name, text in tokenizer.files().items():
+            (out / name).write_text(text)
+            written.append(name)
+    else:
+        note(f"the run's byte tokenizer has no Hugging Face form: {out} holds no tokenizer (ids 0-255 are bytes)")
+    return f"wrote {out} ({family.name}): {', '.join(written)}"
