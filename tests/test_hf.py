@@ -3,7 +3,10 @@ scripts/make_hf_fixtures.py made with transformers: same logits, exact round tri
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -152,3 +155,83 @@ def test_unsupported_config_json_is_refused_naming_the_field(family, changes, fi
 def test_a_checkpoint_that_does_not_fit_its_config_is_refused_naming_the_tensor(tmp_path):
     with pytest.raises(hf.HFError, match=r"model.layers.0.self_attn.o_proj.weight \[32, 64\] do not fit"):
         hf.load_model(_edited_fixture(tmp_path, "llama", num_attention_heads=8))
+
+
+# --- the command-line paths ---------------------------------------------------------------------------
+
+
+def test_a_pretrained_tokenizer_uses_the_special_tokens_its_directory_names():
+    from transformer.tokenizer import load_pretrained
+
+    tok = load_pretrained(str(FIXTURES / "llama"))
+    end = tok.tok.token_to_id("<|endoftext|>")
+    assert tok.vocab_size == 320 and tok.eos_id == tok.bos_id == tok.pad_id == end
+
+
+def _usage_error(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_init_from_takes_the_architecture_and_tokenizer_from_the_checkpoint(capsys):
+    from transformer.cli import train_main
+
+    llama = FIXTURES / "llama"
+    # the embedded default's model keys (d_model 128, ...) give way; the user's own values must agree
+    assert train_main([f"model.init_from={llama}", "model.n_heads=4", "model.remat=full", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "d_model: 32\n" in out and "rope_scaling: llama3\n" in out and f"tokenizer: pretrained:{llama}\n" in out
+    err = _usage_error(capsys, train_main, [f"model.init_from={llama}", "model.d_model=64", "model.ffn=gelu"])
+    assert "model.d_model: 64 (config) vs 32 (config.json); model.ffn: 'gelu' (config) vs 'swiglu'" in err
+
+
+def test_eval_of_an_unsupported_checkpoint_is_one_line_exit_2(tmp_path, capsys):
+    from transformer.cli import eval_main
+
+    path = _edited_fixture(tmp_path, "llama", model_type="falcon")
+    assert "config.json: model_type: 'falcon' is not supported" in _usage_error(capsys, eval_main, ["--hf", str(path)])
+
+
+def test_export_of_a_run_without_hf_equivalent_is_one_line_exit_2(tmp_path, capsys):
+    from transformer import rundir
+    from transformer.cli import eval_main
+    from transformer.config_loader import load_config
+
+    rundir.write_config(tmp_path, load_config(None, ["model.position=alibi"]))
+    err = _usage_error(capsys, eval_main, ["--workdir", str(tmp_path), "--export-hf", str(tmp_path / "out")])
+    assert "model.position=alibi: none of the Hugging Face families" in err
+
+
+@pytest.mark.slow
+def test_fine_tune_from_a_checkpoint_then_export_it(tmp_path, capsys):
+    """train.py fine-tunes from the llama fixture; its export, evaluated with --hf, gives the run's loss."""
+    from conftest import write_corpus
+
+    from transformer.cli import eval_main
+
+    corpus = write_corpus(tmp_path / "docs.jsonl", seed=3, n=100)
+    data = [f"data.source=files:{corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=16"]
+    data += ["data.val_windows=8", "train.batch_size=4"]
+    run = tmp_path / "run"
+    argv = [f"model.init_from={FIXTURES / 'llama'}", *data, "train.steps=3", "train.eval_every=3"]
+    argv += ["checkpoint.every=3", "logging.tensorboard=false", "logging.progress=false", "--workdir", str(run)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert eval_main(["--workdir", str(run), "--export-hf", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
+    capsys.readouterr()
+    results = []
+    for where in (
+        ["--workdir", str(run)],
+        ["--hf", str(tmp_path / "out"), *data],
+        ["--hf", str(FIXTURES / "llama"), *data],
+    ):
+        assert eval_main([*where, "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    trained, exported, pretrained = (r["loss"] for r in results)
+    assert exported == pytest.approx(trained, abs=1e-6) and abs(trained - pretrained) > 1e-4
