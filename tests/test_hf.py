@@ -235,3 +235,13 @@ def test_fine_tune_from_a_checkpoint_then_export_it(tmp_path, capsys):
         results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     trained, exported, pretrained = (r["loss"] for r in results)
     assert exported == pytest.approx(trained, abs=1e-6) and abs(trained - pretrained) > 1e-4
+
+
+def test_the_byte_tokenizer_exports_as_a_hugging_face_tokenizer_of_the_same_ids():
+    from transformer.tokenizer import ByteTokenizer, HFTokenizer
+
+    byte = ByteTokenizer()
+    exported = HFTokenizer(byte.files()["tokenizer.json"])
+    text = "héllo wörld \n\t 日本 ~\x7f"
+    assert list(exported.encode_batch([text])[0]) == list(byte.encode_batch([text])[0])
+    assert (exported.vocab_size, exported.bos_id, exported.eos_id, exported.pad_id) == (259, 256, 257, 258)

@@ -832,7 +832,6 @@ def export_run(workdir: Path, step: int | None, out: Path, note: Callable[[str],
     from transformer.checkpoint import load
     from transformer.data import cache_directory, make_tokenizer
     from transformer.evaluate import run_config as saved_config
-    from transformer.tokenizer import HFTokenizer
 
     cfg = saved_config(workdir, [])
     family = export_family(cfg.model)  # refuse before reading anything
@@ -843,10 +842,7 @@ def export_run(workdir: Path, step: int | None, out: Path, note: Callable[[str],
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     save(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, ids)
     written = [CONFIG_JSON, WEIGHTS]
-    if isinstance(tokenizer, HFTokenizer):
-        for name, text in tokenizer.files().items():
-            (out / name).write_text(text)
-            written.append(name)
-    else:
-        note(f"the run's byte tokenizer has no Hugging Face form: {out} holds no tokenizer (ids 0-255 are bytes)")
+    for name, text in tokenizer.files().items():
+        (out / name).write_text(text)
+        written.append(name)
     return f"wrote {out} ({family.name}): {', '.join(written)}"

@@ -37,6 +37,24 @@ class ByteTokenizer:
         data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
+    def files(self) -> dict[str, str]:
+        """The same ids as a Hugging Face tokenizer (a byte-level BPE without merges), for export."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in enumerate(_byte_chars())}
+        tok = Tokenizer(models.BPE(vocab, []))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(list(SPECIALS))  # 256, 257, 258
+        return HFTokenizer(tok.to_str()).files()
+
+
+def _byte_chars() -> list[str]:
+    """The printable character byte-level BPE stands each byte for (GPT-2's bytes_to_unicode)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer; BOS/EOS/PAD are the tokens `specials` names: those a
