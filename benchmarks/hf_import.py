@@ -5,7 +5,7 @@
 Writes a ~1B-parameter Llama-shaped checkpoint of random weights with safetensors' numpy API (no
 torch), sharded in four files with an index as the Hub has them, then imports it with
 `transformer.hf.load_model` in a fresh process per repeat, each reporting its wall time and its peak
-resident set (`ru_maxrss`: the model's own parameters included, since on a CPU they live in host
+resident set (`VmHWM`: the model's own parameters included, since on a CPU they live in host
 memory). The target is a peak of at most 1.3x the checkpoint's size: no second full copy. The
 checkpoint is deleted at the end unless --keep.
 """
@@ -89,18 +89,21 @@ def write_checkpoint(path: Path, dtype: str) -> int:
 
 # Run in a fresh process per repeat, so that each peak is its own.
 MEASURE = """
-import json, resource, sys, time
-t0 = time.perf_counter()
+import json, sys, time
+
+def hwm():  # this process's peak resident set (VmHWM; ru_maxrss would carry the parent's over the fork)
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
 import jax
 from transformer import hf
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from transformer.model.summary import count_params
+base = hwm()
 t1 = time.perf_counter()
 m, model = hf.load_model(sys.argv[1], param_dtype=sys.argv[2])
 jax.block_until_ready(jax.tree.leaves(model))
 t2 = time.perf_counter()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-from transformer.model.summary import count_params
-print(json.dumps(dict(seconds=t2 - t1, peak=peak, baseline=base, params=count_params(m))))
+print(json.dumps(dict(seconds=t2 - t1, peak=hwm(), baseline=base, params=count_params(m))))
 """
 
 

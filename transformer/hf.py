@@ -306,6 +306,8 @@ def _pad_vocab(m: ModelConfig, xs: Arrays) -> np.ndarray:
     (x,) = xs
     if x.shape[0] != m.vocab_size:
         raise ValueError(f"{x.shape[0]} rows for a vocabulary of {m.vocab_size}")
+    if m.padded_vocab == m.vocab_size:  # no copy of the largest tensor without need
+        return x
     return np.concatenate([x, np.zeros((m.padded_vocab - m.vocab_size,) + x.shape[1:], x.dtype)])
 
 
@@ -591,7 +593,7 @@ def _converted(ckpt: Checkpoint, rule: Rule, m: ModelConfig, layer: int | None, 
     if not fits:
         got = ", ".join(f"{n} {list(x.shape)}" for n, x in zip(names, xs))
         raise HFError("model.init_from", f"{got} do not fit the model config.json describes")
-    return value.astype(like.dtype)
+    return value.astype(like.dtype, copy=False)
 
 
 def _set_layer(buf: jax.Array, x: jax.Array, layer: jax.Array) -> jax.Array:
