@@ -245,3 +245,11 @@ def test_the_byte_tokenizer_exports_as_a_hugging_face_tokenizer_of_the_same_ids(
     text = "héllo wörld \n\t 日本 ~\x7f"
     assert list(exported.encode_batch([text])[0]) == list(byte.encode_batch([text])[0])
     assert (exported.vocab_size, exported.bos_id, exported.eos_id, exported.pad_id) == (259, 256, 257, 258)
+
+
+def test_tensors_read_in_blocks_of_rows_give_the_same_parameters(monkeypatch):
+    _, whole = hf.load_model(FIXTURES / "gpt2")
+    monkeypatch.setattr(hf, "READ_BLOCK_BYTES", 1000)  # every matrix in blocks, a last one short
+    _, blocks = hf.load_model(FIXTURES / "gpt2")
+    for a, b in zip(jax.tree.leaves(_params(whole)), jax.tree.leaves(_params(blocks))):
+        assert np.array_equal(a, b)

@@ -8,10 +8,12 @@ field), a writer of it, and the `Layout` of its tensors: one `Rule` per paramete
 HF tensors it is made of and the two exact conversions between them. A new family (MoE, MLA) is one
 more entry, with a new layout where its tensor names differ.
 
-Weights are read with `safetensors`' numpy API one tensor at a time, each file opened only while it
-is read (its mapped pages are let go with it), and written straight into the sharded parameter: a
-layer-stacked parameter is filled layer by layer in place (a donated update), so the host never holds
-more than one layer of one parameter beside the model itself. No torch.
+Weights are read with `safetensors`' numpy API one tensor at a time (a large one in blocks of rows),
+each file opened only while it is read (its mapped pages are let go with it), and converted into one
+host array per parameter, a layer-stacked one filled layer by layer, from which the sharded device
+array is made. On a CPU that host array becomes the device buffer itself (no copy); elsewhere it is
+copied to the devices and let go. Either way the host holds the model at most once, plus one
+parameter. No torch.
 
 Axis legend as in model/layers.py; HF linear weights are [out, in], GPT-2's Conv1D ones [in, out].
 """
@@ -26,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import Config, ConfigError, ModelConfig
@@ -35,7 +36,8 @@ CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_JSON = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
+READ_BLOCK_BYTES = 64 * 2**20  # a larger tensor is read in blocks of rows (see Checkpoint.get)
+ALIGNMENT = 64  # bytes: see host_array
 
 
 class HFError(ConfigError):
@@ -546,12 +548,26 @@ class Checkpoint:
         return name
 
     def get(self, name: str) -> np.ndarray:
+        """The tensor; a large one is read in blocks of rows, the file reopened for each, so that
+        its mapped pages never add up to a second copy of it."""
         from safetensors import safe_open
 
         name = self.name(name)
         self.read.add(name)
-        with safe_open(self.files[name], framework="numpy") as f:
-            return f.get_tensor(name)
+        file = self.files[name]
+        with safe_open(file, framework="numpy") as f:
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            first = part[:1] if shape else None
+            if first is None or first.nbytes * shape[0] <= READ_BLOCK_BYTES:
+                return f.get_tensor(name)
+        rows = max(1, READ_BLOCK_BYTES // first.nbytes)
+        out = host_array(tuple(shape), first.dtype)
+        for start in range(0, shape[0], rows):
+            with safe_open(file, framework="numpy") as f:
+                stop = min(start + rows, shape[0])
+                out[start:stop] = f.get_slice(name)[start:stop]
+        return out
 
     def check_all_read(self) -> None:
         """A tensor nothing read is a part of the model config.json did not announce: refuse it."""
@@ -596,22 +612,27 @@ def _converted(ckpt: Checkpoint, rule: Rule, m: ModelConfig, layer: int | None, 
     return value.astype(like.dtype, copy=False)
 
 
-def _set_layer(buf: jax.Array, x: jax.Array, layer: jax.Array) -> jax.Array:
-    return buf.at[layer].set(x)
+def host_array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised host array on a 64-byte boundary, where XLA's CPU client adopts a host
+    buffer as the device's instead of copying it: on a CPU, a parameter is then in memory once."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(size + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 def _load_one(ckpt: Checkpoint, rule: Rule, m: ModelConfig, like: jax.ShapeDtypeStruct) -> jax.Array:
-    """One parameter, placed as `like.sharding` says; a layer-stacked one filled a layer at a time in
-    place, so that the host holds one layer of it at most."""
-    if not rule.per_layer:
+    """One parameter, placed as `like.sharding` says. A layer-stacked one is assembled a layer at a
+    time in the host array the device array is made from (the device's own memory, on a CPU)."""
+    if rule.per_layer:
+        host = host_array(like.shape, like.dtype)
+        layer_like = jax.ShapeDtypeStruct(like.shape[1:], like.dtype)
+        for layer in range(like.shape[0]):
+            host[layer] = _converted(ckpt, rule, m, layer, layer_like)
+    else:
         host = _converted(ckpt, rule, m, None, like)
-        return jax.make_array_from_callback(like.shape, like.sharding, lambda index: host[index])
-    layer_like = jax.ShapeDtypeStruct(like.shape[1:], like.dtype)
-    buf = jax.jit(lambda: jnp.zeros(like.shape, like.dtype), out_shardings=like.sharding)()
-    set_layer = jax.jit(_set_layer, donate_argnums=0, out_shardings=like.sharding)
-    for layer in range(like.shape[0]):
-        buf = set_layer(buf, _converted(ckpt, rule, m, layer, layer_like), layer)
-    return buf
+    return jax.make_array_from_callback(like.shape, like.sharding, lambda index: host[index])
 
 
 def load_params(path: Path, m: ModelConfig, abstract: dict) -> dict:
