@@ -253,3 +253,17 @@ def test_tensors_read_in_blocks_of_rows_give_the_same_parameters(monkeypatch):
     _, blocks = hf.load_model(FIXTURES / "gpt2")
     for a, b in zip(jax.tree.leaves(_params(whole)), jax.tree.leaves(_params(blocks))):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
+def test_a_bfloat16_checkpoint_loads_exactly(param_dtype, tmp_path):
+    import ml_dtypes
+
+    tensors = load_file(str(FIXTURES / "qwen2" / hf.WEIGHTS))
+    save_file({n: x.astype(ml_dtypes.bfloat16) for n, x in tensors.items()}, str(tmp_path / hf.WEIGHTS))
+    shutil.copy(FIXTURES / "qwen2" / hf.CONFIG_JSON, tmp_path)
+    _, f32 = hf.load_model(FIXTURES / "qwen2")
+    _, bf16 = hf.load_model(tmp_path, param_dtype=param_dtype)
+    for a, b in zip(jax.tree.leaves(_params(f32)), jax.tree.leaves(_params(bf16))):
+        assert b.dtype == param_dtype
+        assert np.array_equal(np.asarray(a).astype(ml_dtypes.bfloat16).astype(param_dtype), np.asarray(b))

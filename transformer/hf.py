@@ -601,15 +601,18 @@ def _converted(ckpt: Checkpoint, rule: Rule, m: ModelConfig, layer: int | None, 
     """The value of `rule`'s parameter (one layer's slice of it) from the checkpoint, as `like`."""
     names = rule.hf_names(layer)
     xs = [ckpt.get(n) for n in names]
+    # Conversions only move values (zero padding is +0.0's bits): on unsigned integers of the same
+    # width they are exact, and fast for the dtypes numpy only knows through ml_dtypes (bfloat16).
+    as_bits = all(x.dtype == like.dtype for x in xs)
     try:
-        value = rule.to_ours(m, xs)
+        value = rule.to_ours(m, [x.view(f"u{x.dtype.itemsize}") for x in xs] if as_bits else xs)
         fits = value.shape == like.shape
     except ValueError:  # a reshape the sizes do not allow
         fits = False
     if not fits:
         got = ", ".join(f"{n} {list(x.shape)}" for n, x in zip(names, xs))
         raise HFError("model.init_from", f"{got} do not fit the model config.json describes")
-    return value.astype(like.dtype, copy=False)
+    return value.view(like.dtype) if as_bits else value.astype(like.dtype, copy=False)
 
 
 def host_array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
