@@ -194,6 +194,8 @@ def test_eval_of_an_unsupported_checkpoint_is_one_line_exit_2(tmp_path, capsys):
 
     path = _edited_fixture(tmp_path, "llama", model_type="falcon")
     assert "config.json: model_type: 'falcon' is not supported" in _usage_error(capsys, eval_main, ["--hf", str(path)])
+    assert "--step" in _usage_error(capsys, eval_main, ["--hf", str(FIXTURES / "llama"), "--step", "3"])
+    assert "--export-hf" in _usage_error(capsys, eval_main, ["--hf", str(path), "--export-hf", str(tmp_path / "o")])
 
 
 def test_export_of_a_run_without_hf_equivalent_is_one_line_exit_2(tmp_path, capsys):

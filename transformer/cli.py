@@ -252,6 +252,8 @@ def eval_main(argv: list[str] | None = None) -> int:
         _fail("eval.py", "give --workdir DIR (a run), --hf PATH (a Hugging Face model) or --compare DIR (runs)")
     if args.export_hf is not None and args.workdir is None:
         _fail("eval.py", "--export-hf writes a run's checkpoint: give --workdir DIR")
+    if args.hf is not None and args.step is not None:
+        _fail("eval.py", "--step picks a run's checkpoint; a Hugging Face model (--hf) has one set of weights")
     prompts = _prompts(args)
     _check_eval_args(args)
 
