@@ -50,30 +50,21 @@ def _refuse(field: str, message: str) -> HFError:
 
 # --- config.json -> model.* keys --------------------------------------------------------------------
 
-# The model keys that describe the function a checkpoint computes: all of them come from config.json
-# (`init_from`), and a run must set them all compatibly with one family to be exported.
-ARCHITECTURE = (
-    "d_model n_layers n_heads n_kv_heads head_dim d_ff vocab_size window attention_pattern attn_scale position "
-    "rope_theta rope_scaling rope_factor rope_low_freq_factor rope_high_freq_factor rope_original_max_len norm "
-    "norm_position norm_eps ffn use_bias qkv_bias tie_embeddings qk_norm attn_softcap logit_softcap"
+# The model keys a checkpoint leaves to the run: how it executes, trains and is initialised. Every
+# other key describes the function it computes: a family's config.json sets some, and the rest must
+# be at their defaults (so a key added to ModelConfig later is refused by every family until one
+# sets it).
+FREE = (
+    "max_seq_len ffn_multiple vocab_multiple attention_impl dropout attn_dropout init_std init_depth_scaled "
+    "param_dtype dtype scan_layers remat init_from"
 ).split()
-_NEUTRAL = dict(
-    window=None,
-    attention_pattern=None,
-    attn_scale=None,
-    rope_theta=10000.0,
-    rope_scaling="none",
-    rope_factor=1.0,
-    rope_low_freq_factor=1.0,
-    rope_high_freq_factor=4.0,
-    rope_original_max_len=8192,
-    norm_position="pre",
-    use_bias=False,
-    qkv_bias=False,
-    qk_norm=False,
-    attn_softcap=None,
-    logit_softcap=None,
-)
+ARCHITECTURE = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in FREE]
+
+
+def pinned(keys: dict) -> dict:
+    """A family's model keys, with every architecture key it does not set at its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in ARCHITECTURE}
+    return defaults | keys
 
 
 def _field(hf: dict, name: str, default: Any = None) -> Any:
@@ -130,7 +121,7 @@ def _llama_keys(hf: dict) -> dict:
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise _refuse("attention_bias", f"{attention_bias} with mlp_bias {mlp_bias}: biases go on all or none")
-    return _NEUTRAL | dict(
+    return dict(
         d_model=D,
         n_layers=_field(hf, "num_hidden_layers"),
         n_heads=N,
@@ -167,7 +158,7 @@ def _gpt2_keys(hf: dict) -> dict:
         if hf.get(name):
             raise _refuse(name, "true is not supported")
     D = _field(hf, "n_embd")
-    return _NEUTRAL | dict(
+    return dict(
         d_model=D,
         n_layers=_field(hf, "n_layer"),
         n_heads=_field(hf, "n_head"),
@@ -510,7 +501,7 @@ def architecture(path: Path) -> dict:
     """The model.* keys of the checkpoint at `path` (every option it uses checked here)."""
     hf = read_config_json(path)
     try:
-        return family_of(hf).keys(hf)
+        return pinned(family_of(hf).keys(hf))
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, HFError):
             raise
@@ -681,10 +672,10 @@ def _family_candidate(m: ModelConfig) -> Family:
 
 
 def export_family(m: ModelConfig) -> Family:
-    """The family that computes exactly what `m` does: its config.json, read back, gives `m`'s
-    architecture; else an HFError naming the first key it cannot hold."""
+    """The family that computes exactly what `m` does: its config.json, read back, gives all of `m`'s
+    architecture keys; else an HFError naming the first key it cannot hold."""
     family = _family_candidate(m)
-    back = family.keys(family.to_json(m))
+    back = pinned(family.keys(family.to_json(m)))
     for key, value in back.items():
         ours = getattr(m, key)
         if ours != value:
