@@ -11,7 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from transformer.config import Config, ConfigError
 from transformer.config_loader import load_config
@@ -70,6 +70,10 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         sweep = load_sweep(args.config, args.overrides)
         cfg = load_config(args.config, args.overrides) if sweep is None else None
+        if cfg is not None and cfg.model.init_from is not None:  # the architecture from its config.json
+            from transformer.hf import with_pretrained
+
+            cfg = with_pretrained(cfg, args.config, args.overrides)
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
     if sweep is not None:
@@ -199,6 +203,12 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. data.source=files:other/*.txt")
     p.add_argument("--workdir", default=None, help="the run directory")
     p.add_argument(
+        "--hf", default=None, metavar="PATH", help="evaluate a Hugging Face model directory instead of a run"
+    )
+    p.add_argument(
+        "--export-hf", default=None, metavar="OUT", help="write the run's checkpoint as a Hugging Face model directory"
+    )
+    p.add_argument(
         "--compare", default=None, metavar="DIR", help="write DIR/report.md and report.html comparing the runs in DIR"
     )
     p.add_argument("--step", type=int, default=None, help="a kept checkpoint step (default: the latest)")
@@ -238,8 +248,12 @@ def eval_main(argv: list[str] | None = None) -> int:
     args = eval_parser().parse_intermixed_args(argv)
     if args.compare is not None:
         return _compare_main(Path(args.compare))
-    if args.workdir is None:
-        _fail("eval.py", "give --workdir DIR (a run) or --compare DIR (a sweep or a directory of runs)")
+    if (args.workdir is None) == (args.hf is None):
+        _fail("eval.py", "give --workdir DIR (a run), --hf PATH (a Hugging Face model) or --compare DIR (runs)")
+    if args.export_hf is not None and args.workdir is None:
+        _fail("eval.py", "--export-hf writes a run's checkpoint: give --workdir DIR")
+    if args.hf is not None and args.step is not None:
+        _fail("eval.py", "--step picks a run's checkpoint; a Hugging Face model (--hf) has one set of weights")
     prompts = _prompts(args)
     _check_eval_args(args)
 
@@ -247,9 +261,11 @@ def eval_main(argv: list[str] | None = None) -> int:
     from transformer.data import DataError
 
     try:
+        if args.export_hf is not None:
+            return _export_main(args)
         if prompts:
-            return _sample_main(args, Path(args.workdir), prompts)
-        return _evaluate_main(args, Path(args.workdir))
+            return _sample_main(args, prompts)
+        return _evaluate_main(args)
     except ConfigError as e:
         _fail("eval.py", str(e))
     except DataError as e:
@@ -289,24 +305,35 @@ def _check_eval_args(args: argparse.Namespace) -> None:
             _fail("eval.py", message)
 
 
-def _check_sampling(args: argparse.Namespace, workdir: Path, n_prompts: int) -> None:
-    """The sampling flags against the run: k within its vocabulary, the KV cache within memory."""
-    from transformer.evaluate import run_config
+def _check_sampling(args: argparse.Namespace, cfg: Config, n_prompts: int) -> None:
+    """The sampling flags against the model: k within its vocabulary, the KV cache within memory."""
     from transformer.sharding import check_generation_memory
 
-    model = run_config(workdir, []).model
+    model = cfg.model
     if args.top_k is not None and args.top_k > model.vocab_size:
         _fail("eval.py", f"--top-k {args.top_k} is larger than the run's vocabulary of {model.vocab_size} tokens")
     check_generation_memory(model, n_prompts, args.max_new_tokens)
 
 
-def _sample_main(args: argparse.Namespace, workdir: Path, prompts: list[str]) -> int:
-    from transformer.evaluate import sample
+def _export_main(args: argparse.Namespace) -> int:
+    from transformer.evaluate import note
+    from transformer.hf import export_run
+
+    print(export_run(Path(args.workdir), args.step, Path(args.export_hf), note))
+    return 0
+
+
+def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
+    from transformer import evaluate, hf
     from transformer.generate import SamplingConfig
 
-    _check_sampling(args, workdir, len(prompts))
+    cfg = evaluate.run_config(Path(args.workdir), []) if args.hf is None else hf.run_config(Path(args.hf))
+    _check_sampling(args, cfg, len(prompts))
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-    texts = sample(workdir, prompts, sampling, args.step)
+    if args.hf is None:
+        texts = evaluate.sample(Path(args.workdir), prompts, sampling, args.step)
+    else:
+        texts = hf.sample(Path(args.hf), prompts, sampling)
     if args.json:
         print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)]))
     else:
@@ -316,10 +343,13 @@ def _sample_main(args: argparse.Namespace, workdir: Path, prompts: list[str]) ->
     return 0
 
 
-def _evaluate_main(args: argparse.Namespace, workdir: Path) -> int:
-    from transformer.evaluate import evaluate
+def _evaluate_main(args: argparse.Namespace) -> int:
+    from transformer import evaluate, hf
 
-    result: dict[str, Any] = evaluate(workdir, args.step, args.overrides, args.split, args.batches)
+    if args.hf is None:
+        result = evaluate.evaluate(Path(args.workdir), args.step, args.overrides, args.split, args.batches)
+    else:
+        result = hf.evaluate(Path(args.hf), args.overrides, args.split, args.batches)
     if args.json:
         print(json.dumps(result))
     else:

@@ -31,9 +31,10 @@ GLOBAL_WINDOW = 2**30
 
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post", "sandwich", "deepnorm"]
-Ffn = Literal["relu", "gelu", "swiglu", "geglu", "reglu"]
+Ffn = Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu", "reglu"]
 GATED_FFNS = ("swiglu", "geglu", "reglu")
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
+RopeScaling = Literal["none", "linear", "llama3"]
 AttentionImpl = Literal["xla", "einsum", "cudnn"]
 AttentionKind = Literal["mha", "mla"]  # mha covers GQA and MQA through n_kv_heads
 MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -115,11 +116,19 @@ class ModelConfig:
     attn_scale: float | None = None  # None: 1/sqrt(qk_head_dim), the width of a query/key head
     position: Position = "rope"
     rope_theta: float = 10000.0
+    # RoPE frequencies stretched for longer contexts: linear divides all by rope_factor; llama3
+    # (Llama 3.1) divides the low ones, keeps the high ones, and blends between (see positions.py)
+    rope_scaling: RopeScaling = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_len: int = 8192  # llama3 only: the context the model was pretrained with
     norm: Norm = "rmsnorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
     ffn: Ffn = "swiglu"
-    use_bias: bool = False
+    use_bias: bool = False  # biases on every projection (GPT-2)
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2); implied by use_bias
     tie_embeddings: bool = True
     dropout: float = 0.0  # on the embedding output and on each sublayer's output before the residual add
     attn_dropout: float = 0.0  # on attention probabilities (einsum implementation only)
@@ -132,6 +141,9 @@ class ModelConfig:
     dtype: DType = "float32"  # compute dtype; softmax, norms and logits are always float32
     scan_layers: bool = True
     remat: Remat = "none"
+    # a Hugging Face model directory: the architecture keys come from its config.json, the first
+    # parameters from its weights (transformer/hf.py)
+    init_from: str | None = None
 
     def __post_init__(self):
         _check_ints(self)
@@ -203,8 +215,16 @@ class ModelConfig:
             )
 
     def _check_scalars(self) -> None:
-        for name in ("rope_theta", "norm_eps", "init_std"):
+        for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "norm_eps", "init_std"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _check(
+            self.rope_high_freq_factor > self.rope_low_freq_factor,
+            "rope_high_freq_factor",
+            f"must exceed rope_low_freq_factor ({self.rope_low_freq_factor}), got {self.rope_high_freq_factor}",
+        )
+        _check(
+            self.rope_original_max_len >= 1, "rope_original_max_len", f"must be >= 1, got {self.rope_original_max_len}"
+        )
         for name in ("attn_scale", "attn_softcap", "logit_softcap"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, f"must be > 0 or null, got {value}")
@@ -277,6 +297,10 @@ class ModelConfig:
     @property
     def padded_vocab(self) -> int:
         return _round_up(self.vocab_size, self.vocab_multiple)
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.use_bias or self.qkv_bias
 
     @property
     def gated_ffn(self) -> bool:
@@ -653,7 +677,15 @@ class Config:
             check_tensor_split(m, self.mesh.tensor)
 
     def with_vocab(self, vocab_size: int) -> Config:
-        """This config with the model's vocabulary taken from the tokenizer."""
+        """This config with the model's vocabulary taken from the tokenizer; a pretrained model keeps
+        its own, which the tokenizer's ids must fit in."""
+        if self.model.init_from is not None:
+            _check(
+                vocab_size <= self.model.vocab_size,
+                "data.tokenizer",
+                f"gives {vocab_size} ids, more than the pretrained model's {self.model.vocab_size} (model.init_from)",
+            )
+            return self
         return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab_size))
 
     def to_dict(self) -> dict[str, Any]:

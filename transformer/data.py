@@ -630,7 +630,8 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> To
             atomic_write(saved, tok.json_text)
     if workdir is not None and not (workdir / TOKENIZER_FILE).is_file() and isinstance(tok, HFTokenizer):
         workdir.mkdir(parents=True, exist_ok=True)
-        atomic_write(workdir / TOKENIZER_FILE, tok.json_text)
+        for name, text in tok.files().items():  # the config too: a pretrained one's special tokens
+            atomic_write(workdir / name, text)
     return tok
 
 

@@ -115,11 +115,17 @@ def evaluate(
     `batches` batches of them). A mixture's loss and bits per byte are its sources' weighted as
     training weights them, and `sources` gives each source's own; `tokens` counts all sources'."""
     cfg = run_config(workdir, list(overrides))
-    mesh = sharding.make_mesh(cfg)
-    trainer = Trainer(cfg, mesh)
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
     step, params = restore_params(cfg, workdir, step, trainer)
+    return evaluate_params(cfg, trainer, params, step, workdir, split, batches)
+
+
+def evaluate_params(
+    cfg: Config, trainer: Trainer, params: dict, step: int, workdir: Path | None, split: str, batches: int | None
+) -> dict:
+    """`evaluate` of given parameters (`workdir`: the run's, for its tokenizer; None for none)."""
     data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, workdir, log=lambda _: None)
-    if data.vocab_size != cfg.model.vocab_size:
+    if cfg.with_vocab(data.vocab_size).model.vocab_size != cfg.model.vocab_size:
         raise ConfigError(
             "data.tokenizer", f"gives {data.vocab_size} ids; the model was trained with {cfg.model.vocab_size}"
         )
@@ -183,6 +189,13 @@ def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: in
     finally:
         ckpt.close()
     tokenizer = make_tokenizer(cfg.data, workdir, cache_directory(cfg.data))
+    encoded = checked_prompts(cfg, tokenizer, prompts, sampling)
+    _, model = load(workdir, step, note)
+    return complete(model, tokenizer, encoded, sampling)
+
+
+def checked_prompts(cfg: Config, tokenizer: Tokenizer, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
+    """Each prompt's ids; an empty prompt, or one too long for the model's context, is a ConfigError."""
     encoded = encode_prompts(tokenizer, prompts)
     for text, ids in zip(prompts, encoded):
         if not ids:
@@ -200,6 +213,10 @@ def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: in
                 f"prompt {text[:30]!r}... is {len(ids)} tokens; with --max-new-tokens {sampling.max_new_tokens} "
                 f"that exceeds the model's context of {cfg.model.max_seq_len}",
             )
-    _, model = load(workdir, step, note)
+    return encoded
+
+
+def complete(model, tokenizer: Tokenizer, encoded: list[list[int]], sampling: SamplingConfig) -> list[str]:
+    """The sampled continuation of each prompt, as text."""
     out = generate(model, encoded, tokenizer.eos_id, tokenizer.pad_id, sampling)
     return [tokenizer.decode(ids) for ids in out]

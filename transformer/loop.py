@@ -79,7 +79,7 @@ class TrainLoop:
         self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard)
         self.trainer = Trainer(cfg, self.mesh)
         self.peak = self._announce()
-        self.state = start if start is not None else self.trainer.init(jax.random.key(cfg.train.seed))
+        self.state = start if start is not None else self.trainer.initial_state()
         self.step = int(self.state.step)  # the next step to train
         self.recovery = Recovery.replay(rundir.read_events(workdir), self.step) if workdir is not None else Recovery()
         self.faults = Faults(cfg.faults, self.recovery, self.writer.event)

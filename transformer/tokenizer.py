@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 SPECIALS = ("<bos>", "<eos>", "<pad>")
+TOKENIZER_CONFIG = "tokenizer_config.json"  # beside a tokenizer.json: its special tokens (Hugging Face)
 
 
 class TokenizerError(ValueError):
@@ -36,20 +37,40 @@ class ByteTokenizer:
         data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
+    def files(self) -> dict[str, str]:
+        """The same ids as a Hugging Face tokenizer (a byte-level BPE without merges), for export."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in enumerate(_byte_chars())}
+        tok = Tokenizer(models.BPE(vocab, []))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(list(SPECIALS))  # 256, 257, 258
+        return HFTokenizer(tok.to_str()).files()
+
+
+def _byte_chars() -> list[str]:
+    """The printable character byte-level BPE stands each byte for (GPT-2's bytes_to_unicode)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
+
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer; BOS/EOS/PAD are its <bos>/<eos>/<pad> tokens (added
-    at the end of the vocabulary when it has none)."""
+    """A Hugging Face `tokenizers` tokenizer; BOS/EOS/PAD are the tokens `specials` names: those a
+    model directory's tokenizer_config.json gives, else <bos>/<eos>/<pad> (added at the end of the
+    vocabulary when it has none)."""
 
-    def __init__(self, json_text: str):
+    def __init__(self, json_text: str, specials: tuple[str, str, str] = SPECIALS):
         from tokenizers import Tokenizer
 
         self.json_text = json_text
+        self.specials = specials
         self.tok = Tokenizer.from_str(json_text)
-        ids = [self.tok.token_to_id(s) for s in SPECIALS]
+        ids = [self.tok.token_to_id(s) for s in specials]
         if None in ids:
-            self.tok.add_special_tokens([s for s, i in zip(SPECIALS, ids) if i is None])
-            ids = [self.tok.token_to_id(s) for s in SPECIALS]
+            self.tok.add_special_tokens([s for s, i in zip(specials, ids) if i is None])
+            ids = [self.tok.token_to_id(s) for s in specials]
         bos, eos, pad = ids
         assert bos is not None and eos is not None and pad is not None  # added just above where missing
         self.bos_id, self.eos_id, self.pad_id = bos, eos, pad
@@ -57,13 +78,22 @@ class HFTokenizer:
         self.tok.encode_special_tokens = True
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         # hf2: ids of text that spells a special token changed (it used to give the special id)
-        self.fingerprint = "hf2-" + hashlib.sha256(json_text.encode()).hexdigest()[:16]
+        named = json_text if specials == SPECIALS else json.dumps([json_text, specials])
+        self.fingerprint = "hf2-" + hashlib.sha256(named.encode()).hexdigest()[:16]
 
     def __getstate__(self):  # worker processes rebuild it whole (encode_special_tokens is not pickled)
-        return {"json_text": self.json_text}
+        return {"json_text": self.json_text, "specials": self.specials}
 
     def __setstate__(self, state):
-        self.__init__(state["json_text"])
+        self.__init__(state["json_text"], tuple(state.get("specials", SPECIALS)))
+
+    def files(self) -> dict[str, str]:
+        """The files that hold it in a Hugging Face model directory: tokenizer.json, and the
+        tokenizer_config.json naming its special tokens."""
+        bos, eos, pad = self.specials
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad}
+        # the config first: a run directory holding tokenizer.json is taken to hold both
+        return {TOKENIZER_CONFIG: json.dumps(config, indent=2) + "\n", "tokenizer.json": self.json_text}
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         try:
@@ -118,6 +148,20 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
     return HFTokenizer(tok.to_str())
 
 
+def _named_specials(config: Path) -> tuple[str, str, str]:
+    """BOS, EOS and PAD as a tokenizer_config.json names them (PAD and BOS default to EOS), or ours."""
+    if not config.is_file():
+        return SPECIALS
+    named = json.loads(config.read_text())
+
+    def token(key: str) -> str | None:
+        value = named.get(key)
+        return value.get("content") if isinstance(value, dict) else value
+
+    eos = token("eos_token")
+    return SPECIALS if eos is None else (token("bos_token") or eos, eos, token("pad_token") or eos)
+
+
 def load_pretrained(path: str) -> HFTokenizer:
     p = Path(path).expanduser()
     if p.is_dir():
@@ -127,6 +171,6 @@ def load_pretrained(path: str) -> HFTokenizer:
     try:
         text = p.read_text()
         json.loads(text)
-        return HFTokenizer(text)
+        return HFTokenizer(text, _named_specials(p.parent / TOKENIZER_CONFIG))
     except Exception as e:  # a broken file: say which, not where inside the library it broke
         raise TokenizerError(f"data.tokenizer: cannot load {p}: {str(e).splitlines()[0]}") from None

@@ -203,6 +203,21 @@ class Trainer:
         return nll_sum, count
 
     # --- host-side helpers ------------------------------------------------------------------------
+    def initial_state(self) -> TrainState:
+        """Step 0: parameters drawn from train.seed, or read from the model.init_from checkpoint."""
+        if self.cfg.model.init_from is None:
+            return self.init(jax.random.key(self.cfg.train.seed))
+        from pathlib import Path
+
+        from transformer import hf
+
+        params = hf.load_params(
+            Path(self.cfg.model.init_from).expanduser(), self.cfg.model, self.abstract_state().params
+        )
+        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step)
+        return TrainState(step, params, opt_state)
+
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the train state: the target a checkpoint restores into."""
         abstract = jax.eval_shape(self.init, jax.random.key(0))

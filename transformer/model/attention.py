@@ -111,7 +111,8 @@ class Attention(nnx.Module):
         # same whatever the value scale.
         qkv[...] = qkv[...].at[:, :, G + 1].multiply(scales.value / scales.qkv)
         self.qkv = qkv
-        self.qkv_bias = const_param(0.0, (K, G + 2, H), ("kv_heads", None, "head_dim"), cfg) if cfg.use_bias else None
+        qkv_bias = cfg.has_qkv_bias
+        self.qkv_bias = const_param(0.0, (K, G + 2, H), ("kv_heads", None, "head_dim"), cfg) if qkv_bias else None
         self.out = normal_param(rngs, (N, H, D), ("heads", "head_dim", "embed"), scales.attn_out, cfg)
         self.out_bias = const_param(0.0, (D,), ("embed",), cfg) if cfg.use_bias else None
         self.q_norm = Norm(cfg, dim=H, axis_name="head_dim", kind="rmsnorm") if cfg.qk_norm else None

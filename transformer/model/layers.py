@@ -12,7 +12,9 @@ places anything on devices itself: `transformer/sharding.py` maps those names to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -103,9 +105,10 @@ class Norm(nnx.Module):
 
 # FFN kind -> activation. The kinds in config.GATED_FFNS apply it to a gate multiplying a second
 # projection (Shazeer 2020); the others are the classic two-layer MLP.
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
     "gelu": jax.nn.gelu,  # tanh approximation, as in GPT-2
+    "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),  # erf, as torch's default GELU
     "swiglu": jax.nn.silu,
     "geglu": jax.nn.gelu,
     "reglu": jax.nn.relu,

@@ -73,13 +73,47 @@ class SinusoidalPositions(Positions):
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched to reach past the pretraining context (`model.rope_scaling`)."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def apply(self, inv_freq: jax.Array) -> jax.Array:
+        """The scaled frequencies, as Hugging Face's `rope_type` of the same name computes them."""
+        match self.kind:
+            case "none":
+                return inv_freq
+            case "linear":  # positions divided by the factor
+                return inv_freq / self.factor
+            case "llama3":  # wavelengths beyond the low-frequency bound stretched, short ones kept, a blend between
+                wavelen = 2 * math.pi / inv_freq
+                scaled = jnp.where(
+                    wavelen > self.original_max_len / self.low_freq_factor, inv_freq / self.factor, inv_freq
+                )
+                smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (
+                    self.high_freq_factor - self.low_freq_factor
+                )
+                blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+                medium = (wavelen >= self.original_max_len / self.high_freq_factor) & (
+                    wavelen <= self.original_max_len / self.low_freq_factor
+                )
+                return jnp.where(medium, blended, scaled)
+        raise AssertionError(self.kind)
+
+
+@dataclasses.dataclass(frozen=True)
 class RotaryPositions(Positions):
     """RoPE: queries and keys rotated by position, so their scores depend on the distance only."""
 
     theta: float
+    scaling: RopeScaling = RopeScaling()
 
     def rotate(self, x: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-        return rope(x, positions_BxT, self.theta)
+        return rope(x, positions_BxT, self.theta, self.scaling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +135,14 @@ def positions_for(cfg: ModelConfig) -> Positions:
         case "sinusoidal":
             return SinusoidalPositions(cfg.d_model)
         case "rope":
-            return RotaryPositions(cfg.rope_theta)
+            scaling = RopeScaling(
+                cfg.rope_scaling,
+                cfg.rope_factor,
+                cfg.rope_low_freq_factor,
+                cfg.rope_high_freq_factor,
+                cfg.rope_original_max_len,
+            )
+            return RotaryPositions(cfg.rope_theta, scaling)
         case "alibi":
             return AlibiPositions(cfg.n_heads)
         case "none":
@@ -112,10 +153,10 @@ def positions_for(cfg: ModelConfig) -> Positions:
 # --- the encodings -------------------------------------------------------------------------------
 
 
-def rope(x: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+def rope(x: jax.Array, positions_BxT: jax.Array, theta: float, scaling: RopeScaling = RopeScaling()) -> jax.Array:
     """Rotary embedding (Su et al. 2021) of x[B, T, ..., H], rotating (first half, second half) pairs."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    inv_freq = scaling.apply(theta ** (-jnp.arange(half, dtype=jnp.float32) / half))
     angle = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
     angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
     sin, cos = jnp.sin(angle), jnp.cos(angle)

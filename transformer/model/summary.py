@@ -29,7 +29,7 @@ def count_params(cfg: ModelConfig) -> int:
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     norm = D * (2 if cfg.norm == "layernorm" else 1)
     attention = D * (N + 2 * K) * H + N * H * D
-    attention += ((N + 2 * K) * H + D) if cfg.use_bias else 0
+    attention += ((N + 2 * K) * H if cfg.has_qkv_bias else 0) + (D if cfg.use_bias else 0)
     attention += 2 * H if cfg.qk_norm else 0
     if cfg.attention == "mla":  # (the config refuses biases and qk-norm with MLA)
         attention = mla_matmul_params(cfg) + mla_norm_params(cfg)

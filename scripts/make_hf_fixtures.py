@@ -1,0 +1,228 @@
+"""Make the tiny Hugging Face fixtures tests/test_hf.py compares against, and check the export path
+against transformers. Needs torch and transformers (`pip install -e ".[hf-fixtures]"`); the test suite
+does not.
+
+    python scripts/make_hf_fixtures.py            # write tests/fixtures/hf/<family>/, then verify
+    python scripts/make_hf_fixtures.py --verify   # only verify the committed fixtures
+
+For each family: a random model (every weight, norm gain and bias drawn, so that a swapped or
+untransposed tensor shows in the logits), saved with `save_pretrained` (config.json,
+model.safetensors), and reference.safetensors holding input ids and transformers' float32 logits.
+The llama and gpt2 fixtures also carry a small byte-level BPE tokenizer in the HF layout.
+
+Verification: each fixture imported with transformer.hf, exported again, loaded back with
+AutoModelForCausalLM.from_pretrained: its logits must equal the reference; and a model of this
+framework (random init) of each exportable kind is exported and its logits compared with
+transformers'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+OUT = ROOT / "tests" / "fixtures" / "hf"
+VOCAB = 320
+IDS_SHAPE = (2, 24)  # longer than mistral's window
+
+COMMON = dict(vocab_size=VOCAB, tie_word_embeddings=False)
+FIXTURES = {
+    "gpt2": transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, n_positions=64, activation_function="gelu", vocab_size=VOCAB
+    ),
+    # rope frequencies with wavelengths 6.3 (kept), 20 (blended) and >= 63 tokens (stretched) under llama3
+    "llama": transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+        **COMMON,
+    ),
+    "mistral": transformers.MistralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        sliding_window=5,
+        **COMMON,
+    ),
+    "qwen2": transformers.Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": transformers.Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+    ),
+}
+WITH_TOKENIZER = ("llama", "gpt2")
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Draw every parameter: matrices ~ N(0, 1/fan_in), gains ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.ndim == 2:
+                p.copy_(noise / max(p.shape) ** 0.5 * 2)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(1.0 + 0.1 * noise)
+
+
+def hf_logits(path: Path, ids: np.ndarray) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(ids)).logits.numpy()
+
+
+def tokenizer_files(out: Path) -> None:
+    """A byte-level BPE of VOCAB ids in the HF layout: <|endoftext|> as its only special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [p.read_text() for p in sorted((ROOT / "transformer").glob("*.py"))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    special = "<|endoftext|>"
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=special, eos_token=special)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def make(name: str, seed: int) -> None:
+    out = OUT / name
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = FIXTURES[name]
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    randomize(model, seed)
+    model.save_pretrained(out)
+    if name in WITH_TOKENIZER:
+        tokenizer_files(out)
+    ids = np.random.default_rng(seed).integers(0, VOCAB, IDS_SHAPE).astype(np.int64)
+    logits = hf_logits(out, ids)
+    save_file({"input_ids": ids, "logits": logits.astype(np.float32)}, str(out / "reference.safetensors"))
+    print(f"{name}: {sum(f.stat().st_size for f in out.iterdir()) / 1e3:.0f} kB")
+
+
+def perturbed(model, seed: int):
+    """This framework's model with every parameter moved off its initial value (norm gains of 1 and
+    biases of 0 would hide a misplaced tensor)."""
+    import jax
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(treedef, noisy))
+    return model
+
+
+OURS = {  # exportable kinds of this framework's model -> the family they export as
+    "llama": dict(),
+    "llama-geglu-mha-untied": dict(ffn="geglu", n_kv_heads=4, tie_embeddings=False),
+    "llama-biases": dict(use_bias=True),
+    "llama-linear-rope": dict(rope_scaling="linear", rope_factor=4.0),
+    "qwen2": dict(qkv_bias=True),
+    "qwen3": dict(qk_norm=True, head_dim=16),
+    "mistral": dict(window=5, n_kv_heads=1),
+    "gpt2": dict(position="learned", norm="layernorm", ffn="gelu", use_bias=True, n_kv_heads=4),
+    "gpt2-exact-gelu": dict(position="learned", norm="layernorm", ffn="gelu_exact", use_bias=True, n_kv_heads=4),
+}
+
+
+def verify() -> bool:
+    import jax
+    from flax import nnx
+
+    from transformer import hf
+    from transformer.config import ModelConfig
+    from transformer.model import Transformer
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    ok = True
+    for name in FIXTURES:
+        ref = load_file(str(OUT / name / "reference.safetensors"))
+        m, model = hf.load_model(OUT / name)
+        ours = np.asarray(model(ref["input_ids"]))[..., :VOCAB]
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save(m, nnx.to_pure_dict(nnx.state(model, nnx.Param)), Path(tmp))
+            again = hf_logits(Path(tmp), ref["input_ids"])
+        d_import, d_export = np.abs(ours - ref["logits"]).max(), np.abs(again - ref["logits"]).max()
+        ok &= d_import < 1e-4 and d_export < 1e-4
+        print(f"fixture {name}: |ours - HF| {d_import:.2e}; exported again, loaded by transformers: {d_export:.2e}")
+    ids = np.random.default_rng(0).integers(0, VOCAB, IDS_SHAPE)
+    for i, (name, kw) in enumerate(OURS.items()):
+        base = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=64)
+        m = ModelConfig(**(base | kw))
+        model = perturbed(Transformer(m, rngs=nnx.Rngs(i)), i)
+        ours = np.asarray(model(ids))[..., :VOCAB]
+        with tempfile.TemporaryDirectory() as tmp:
+            family = hf.save(m, nnx.to_pure_dict(nnx.state(model, nnx.Param)), Path(tmp))
+            theirs = hf_logits(Path(tmp), ids)
+        diff = np.abs(ours - theirs).max()
+        ok &= diff < 1e-4
+        print(f"ours {name} exported as {family.name}: |ours - transformers| {diff:.2e}")
+    return ok
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--verify", action="store_true", help="only verify the committed fixtures")
+    args = p.parse_args()
+    if not args.verify:
+        for seed, name in enumerate(FIXTURES):
+            make(name, seed)
+    ok = verify()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}: {'all equal' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

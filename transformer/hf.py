@@ -1,0 +1,865 @@
+"""Hugging Face checkpoints in and out: a directory in the HF layout (`config.json`, `model.safetensors`
+or a sharded `model.safetensors.index.json`, tokenizer files) read into this framework's parameters,
+and a run's parameters written back as one.
+
+Table-driven: `FAMILIES` holds one entry per HF `model_type`, each a reader of its `config.json`
+(the architecture as `model.*` keys; an option this model cannot reproduce is one line naming the
+field), a writer of it, and the `Layout` of its tensors: one `Rule` per parameter of ours, naming the
+HF tensors it is made of and the two exact conversions between them. A new family (MoE, MLA) is one
+more entry, with a new layout where its tensor names differ.
+
+Weights are read with `safetensors`' numpy API one tensor at a time (a large one in blocks of rows),
+each file opened only while it is read (its mapped pages are let go with it), and converted into one
+host array per parameter, a layer-stacked one filled layer by layer, from which the sharded device
+array is made. On a CPU that host array becomes the device buffer itself (no copy); elsewhere it is
+copied to the devices and let go. Either way the host holds the model at most once, plus one
+parameter. No torch.
+
+Axis legend as in model/layers.py; HF linear weights are [out, in], GPT-2's Conv1D ones [in, out].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from transformer.config import Config, ConfigError, ModelConfig
+
+CONFIG_JSON = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER_JSON = "tokenizer.json"
+READ_BLOCK_BYTES = 64 * 2**20  # a larger tensor is read in blocks of rows (see Checkpoint.get)
+ALIGNMENT = 64  # bytes: see host_array
+
+
+class HFError(ConfigError):
+    """A checkpoint this converter cannot take (or a run it cannot write): a user mistake, exit 2."""
+
+
+def _refuse(field: str, message: str) -> HFError:
+    return HFError(f"{CONFIG_JSON}: {field}", message)
+
+
+# --- config.json -> model.* keys --------------------------------------------------------------------
+
+# The model keys a checkpoint leaves to the run: how it executes, trains and is initialised. Every
+# other key describes the function it computes: a family's config.json sets some, and the rest must
+# be at their defaults (so a key added to ModelConfig later is refused by every family until one
+# sets it).
+FREE = (
+    "max_seq_len ffn_multiple vocab_multiple attention_impl dropout attn_dropout init_std init_depth_scaled "
+    "param_dtype dtype scan_layers remat init_from"
+).split()
+ARCHITECTURE = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in FREE]
+
+
+def pinned(keys: dict) -> dict:
+    """A family's model keys, with every architecture key it does not set at its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in ARCHITECTURE}
+    return defaults | keys
+
+
+def _field(hf: dict, name: str, default: Any = None) -> Any:
+    value = hf.get(name, default)
+    if value is None and default is None:
+        raise _refuse(name, "is missing")
+    return value if value is not None else default
+
+
+def _rope_keys(hf: dict) -> dict:
+    """RoPE theta and scaling, from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    kind = params.get("rope_type", params.get("type", "default"))
+    keys = dict(rope_theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
+    if kind == "default":
+        return keys
+    if kind == "linear":
+        return keys | dict(rope_scaling="linear", rope_factor=float(params["factor"]))
+    if kind == "llama3":
+        return keys | dict(
+            rope_scaling="llama3",
+            rope_factor=float(params["factor"]),
+            rope_low_freq_factor=float(params["low_freq_factor"]),
+            rope_high_freq_factor=float(params["high_freq_factor"]),
+            rope_original_max_len=int(params["original_max_position_embeddings"]),
+        )
+    raise _refuse(f"{where}.rope_type", f"{kind!r} is not supported (default, linear, llama3)")
+
+
+GATED_ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu", "relu": "reglu"}
+MLP_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact", "relu": "relu"}
+
+
+def _choice(hf: dict, name: str, table: dict[str, str]) -> str:
+    value = _field(hf, name)
+    if value not in table:
+        raise _refuse(name, f"{value!r} is not supported ({', '.join(table)})")
+    return table[value]
+
+
+def _full_attention_only(hf: dict) -> None:
+    """Qwen's per-layer sliding windows are not reproduced: every layer must attend fully."""
+    if hf.get("use_sliding_window"):
+        raise _refuse("use_sliding_window", "true is not supported (per-layer sliding windows)")
+    kinds = set(hf.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise _refuse("layer_types", f"only full_attention layers are supported, got {sorted(kinds)}")
+
+
+def _llama_keys(hf: dict) -> dict:
+    """The decoder shared by Llama, Mistral and Qwen: RoPE, RMSNorm, a gated FFN, GQA."""
+    D, N = _field(hf, "hidden_size"), _field(hf, "num_attention_heads")
+    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise _refuse("attention_bias", f"{attention_bias} with mlp_bias {mlp_bias}: biases go on all or none")
+    return dict(
+        d_model=D,
+        n_layers=_field(hf, "num_hidden_layers"),
+        n_heads=N,
+        n_kv_heads=hf.get("num_key_value_heads") or N,
+        head_dim=hf.get("head_dim") or D // N,
+        d_ff=_field(hf, "intermediate_size"),
+        vocab_size=_field(hf, "vocab_size"),
+        position="rope",
+        norm="rmsnorm",
+        norm_eps=float(_field(hf, "rms_norm_eps", 1e-6)),
+        ffn=_choice(hf, "hidden_act", GATED_ACTIVATIONS),
+        use_bias=attention_bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **_rope_keys(hf),
+    )
+
+
+def _mistral_keys(hf: dict) -> dict:
+    return _llama_keys(hf) | dict(window=hf.get("sliding_window"))
+
+
+def _qwen2_keys(hf: dict) -> dict:
+    _full_attention_only(hf)
+    return _llama_keys(hf) | dict(qkv_bias=True)
+
+
+def _qwen3_keys(hf: dict) -> dict:
+    _full_attention_only(hf)
+    return _llama_keys(hf) | dict(qk_norm=True)
+
+
+def _gpt2_keys(hf: dict) -> dict:
+    for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+        if hf.get(name):
+            raise _refuse(name, "true is not supported")
+    D = _field(hf, "n_embd")
+    return dict(
+        d_model=D,
+        n_layers=_field(hf, "n_layer"),
+        n_heads=_field(hf, "n_head"),
+        n_kv_heads=_field(hf, "n_head"),
+        head_dim=D // _field(hf, "n_head"),
+        d_ff=hf.get("n_inner") or 4 * D,
+        vocab_size=_field(hf, "vocab_size"),
+        max_seq_len=_field(hf, "n_positions"),
+        position="learned",
+        norm="layernorm",
+        norm_eps=float(_field(hf, "layer_norm_epsilon", 1e-5)),
+        ffn=_choice(hf, "activation_function", MLP_ACTIVATIONS),
+        attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
+        use_bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+
+
+# --- model.* keys -> config.json --------------------------------------------------------------------
+
+
+def _rope_json(m: ModelConfig) -> dict:
+    params: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": "default"}
+    if m.rope_scaling == "linear":
+        params |= {"rope_type": "linear", "factor": m.rope_factor}
+    elif m.rope_scaling == "llama3":
+        params |= {
+            "rope_type": "llama3",
+            "factor": m.rope_factor,
+            "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor,
+            "original_max_position_embeddings": m.rope_original_max_len,
+        }
+    # both spellings: transformers 5 reads rope_parameters, 4.x rope_theta and rope_scaling
+    scaling = None if m.rope_scaling == "none" else {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_parameters": params, "rope_theta": m.rope_theta, "rope_scaling": scaling}
+
+
+def _llama_json(m: ModelConfig) -> dict:
+    acts = {v: k for k, v in GATED_ACTIVATIONS.items() if k != "gelu_new"}
+    return {
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": acts[m.ffn],
+        "max_position_embeddings": max(m.max_seq_len or 0, m.rope_original_max_len + 1),
+        "rms_norm_eps": m.norm_eps,
+        "attention_bias": m.use_bias,
+        "mlp_bias": m.use_bias,
+        "tie_word_embeddings": m.tie_embeddings,
+        "vocab_size": m.vocab_size,
+        **_rope_json(m),
+    }
+
+
+def _mistral_json(m: ModelConfig) -> dict:
+    return {k: v for k, v in _llama_json(m).items() if k not in ("attention_bias", "mlp_bias")} | {
+        "sliding_window": m.window
+    }
+
+
+def _qwen_json(m: ModelConfig) -> dict:
+    return {k: v for k, v in _llama_json(m).items() if k not in ("attention_bias", "mlp_bias")} | {
+        "use_sliding_window": False,
+        "layer_types": ["full_attention"] * m.n_layers,
+    }
+
+
+def _gpt2_json(m: ModelConfig) -> dict:
+    return {
+        "n_embd": m.d_model,
+        "n_layer": m.n_layers,
+        "n_head": m.n_heads,
+        "n_inner": m.d_ff,
+        "n_positions": m.max_seq_len,
+        "vocab_size": m.vocab_size,
+        "activation_function": {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}[m.ffn],
+        "layer_norm_epsilon": m.norm_eps,
+        "scale_attn_weights": m.attn_scale is None,
+        "tie_word_embeddings": m.tie_embeddings,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+
+
+# --- tensors: one rule per parameter of ours ---------------------------------------------------------
+
+Arrays = list[np.ndarray]
+
+
+def _same(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    return xs[0]
+
+
+def _as_list(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return [x]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A parameter of ours (its path in the parameter dict, "/"-joined) made of the HF tensors `names`
+    ("{l}" in them: one set per layer of a layer-stacked parameter), and the exact conversions."""
+
+    path: str
+    names: tuple[str, ...]
+    to_ours: Callable[[ModelConfig, Arrays], np.ndarray] = _same
+    to_hf: Callable[[ModelConfig, np.ndarray], Arrays] = _as_list
+
+    @property
+    def per_layer(self) -> bool:
+        return "{l}" in self.names[0]
+
+    def hf_names(self, layer: int | None) -> list[str]:
+        return [n.format(l=layer) for n in self.names]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The tensors of one family's checkpoints."""
+
+    rules: tuple[Rule, ...]
+    ignored: str = r"^$"  # tensors that are buffers, not weights (GPT-2's causal mask)
+    strip: str = ""  # a prefix some checkpoints of the family leave out (GPT-2: "transformer.")
+
+    def rule(self, path: str) -> Rule:
+        for rule in self.rules:
+            if rule.path == path:
+                return rule
+        raise AssertionError(f"no {path} in the layout: a parameter the family cannot hold was built")
+
+
+def _pad_vocab(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """The embedding rows [V, D] padded with zeros to the padded vocab (rows no logit ever uses)."""
+    (x,) = xs
+    if x.shape[0] != m.vocab_size:
+        raise ValueError(f"{x.shape[0]} rows for a vocabulary of {m.vocab_size}")
+    if m.padded_vocab == m.vocab_size:  # no copy of the largest tensor without need
+        return x
+    return np.concatenate([x, np.zeros((m.padded_vocab - m.vocab_size,) + x.shape[1:], x.dtype)])
+
+
+def _vocab_rows(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return [x[: m.vocab_size]]
+
+
+def _head_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    return _pad_vocab(m, xs).T
+
+
+def _head_out(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return [x[:, : m.vocab_size].T]
+
+
+def _qkv_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """q [N*H, D], k and v [K*H, D] -> D x K x (G + 2) x H: each kv head's query heads, key, value."""
+    q, k, v = xs
+    D, K, G, H = m.d_model, m.n_kv_heads, m.n_kv_groups, m.head_dim
+    return np.concatenate([q.T.reshape(D, K, G, H), k.T.reshape(D, K, 1, H), v.T.reshape(D, K, 1, H)], axis=2)
+
+
+def _qkv_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    D, G = m.d_model, m.n_kv_groups
+    return [w[:, :, :G].reshape(D, -1).T, w[:, :, G].reshape(D, -1).T, w[:, :, G + 1].reshape(D, -1).T]
+
+
+def _qkv_bias_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    q, k, v = xs
+    K, G, H = m.n_kv_heads, m.n_kv_groups, m.head_dim
+    return np.concatenate([q.reshape(K, G, H), k.reshape(K, 1, H), v.reshape(K, 1, H)], axis=1)
+
+
+def _qkv_bias_out(m: ModelConfig, b: np.ndarray) -> Arrays:
+    G = m.n_kv_groups
+    return [b[:, :G].reshape(-1), b[:, G].reshape(-1), b[:, G + 1].reshape(-1)]
+
+
+def _out_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """o_proj [D, N*H] -> N x H x D."""
+    return xs[0].T.reshape(m.n_heads, m.head_dim, m.d_model)
+
+
+def _out_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [w.reshape(-1, m.d_model).T]
+
+
+def _transposed(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    return xs[0].T
+
+
+def _transpose_back(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return [x.T]
+
+
+def _gate_up_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """gate and up [F, D] -> D x 2 x F (gate first)."""
+    return np.stack([xs[0].T, xs[1].T], axis=1)
+
+
+def _gate_up_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [w[:, 0].T, w[:, 1].T]
+
+
+def _stack(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    return np.stack(xs)
+
+
+def _unstack(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return list(x)
+
+
+_L = "model.layers.{l}."
+LLAMA = Layout(
+    (
+        Rule("embed", ("model.embed_tokens.weight",), _pad_vocab, _vocab_rows),
+        Rule("head", ("lm_head.weight",), _head_in, _head_out),
+        Rule("final_norm/scale", ("model.norm.weight",)),
+        Rule("blocks/attn_norm/scale", (_L + "input_layernorm.weight",)),
+        Rule("blocks/ffn_norm/scale", (_L + "post_attention_layernorm.weight",)),
+        Rule("blocks/attn/qkv", tuple(_L + f"self_attn.{p}_proj.weight" for p in "qkv"), _qkv_in, _qkv_out),
+        Rule(
+            "blocks/attn/qkv_bias", tuple(_L + f"self_attn.{p}_proj.bias" for p in "qkv"), _qkv_bias_in, _qkv_bias_out
+        ),
+        Rule("blocks/attn/out", (_L + "self_attn.o_proj.weight",), _out_in, _out_out),
+        Rule("blocks/attn/out_bias", (_L + "self_attn.o_proj.bias",)),
+        Rule("blocks/attn/q_norm/scale", (_L + "self_attn.q_norm.weight",)),
+        Rule("blocks/attn/k_norm/scale", (_L + "self_attn.k_norm.weight",)),
+        Rule("blocks/ffn/w_in", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), _gate_up_in, _gate_up_out),
+        Rule("blocks/ffn/b_in", (_L + "mlp.gate_proj.bias", _L + "mlp.up_proj.bias"), _stack, _unstack),
+        Rule("blocks/ffn/w_out", (_L + "mlp.down_proj.weight",), _transposed, _transpose_back),
+        Rule("blocks/ffn/b_out", (_L + "mlp.down_proj.bias",)),
+    ),
+    ignored=r"\.rotary_emb\.inv_freq$",
+)
+
+
+def _c_attn_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """GPT-2's fused Conv1D [D, 3*N*H] (q, k, v) -> D x N x 3 x H (K = N, G = 1)."""
+    D, N, H = m.d_model, m.n_heads, m.head_dim
+    return xs[0].reshape(D, 3, N, H).transpose(0, 2, 1, 3)
+
+
+def _c_attn_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [w.transpose(0, 2, 1, 3).reshape(m.d_model, -1)]
+
+
+def _c_attn_bias_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    return xs[0].reshape(3, m.n_heads, m.head_dim).transpose(1, 0, 2)
+
+
+def _c_attn_bias_out(m: ModelConfig, b: np.ndarray) -> Arrays:
+    return [b.transpose(1, 0, 2).reshape(-1)]
+
+
+def _c_proj_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    return xs[0].reshape(m.n_heads, m.head_dim, m.d_model)
+
+
+def _c_proj_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [w.reshape(-1, m.d_model)]
+
+
+_H = "transformer.h.{l}."
+GPT2 = Layout(
+    (
+        Rule("embed", ("transformer.wte.weight",), _pad_vocab, _vocab_rows),
+        Rule("pos_embed", ("transformer.wpe.weight",)),
+        Rule("head", ("lm_head.weight",), _head_in, _head_out),
+        Rule("final_norm/scale", ("transformer.ln_f.weight",)),
+        Rule("final_norm/bias", ("transformer.ln_f.bias",)),
+        Rule("blocks/attn_norm/scale", (_H + "ln_1.weight",)),
+        Rule("blocks/attn_norm/bias", (_H + "ln_1.bias",)),
+        Rule("blocks/ffn_norm/scale", (_H + "ln_2.weight",)),
+        Rule("blocks/ffn_norm/bias", (_H + "ln_2.bias",)),
+        Rule("blocks/attn/qkv", (_H + "attn.c_attn.weight",), _c_attn_in, _c_attn_out),
+        Rule("blocks/attn/qkv_bias", (_H + "attn.c_attn.bias",), _c_attn_bias_in, _c_attn_bias_out),
+        Rule("blocks/attn/out", (_H + "attn.c_proj.weight",), _c_proj_in, _c_proj_out),
+        Rule("blocks/attn/out_bias", (_H + "attn.c_proj.bias",)),
+        Rule("blocks/ffn/w_in", (_H + "mlp.c_fc.weight",)),
+        Rule("blocks/ffn/b_in", (_H + "mlp.c_fc.bias",)),
+        Rule("blocks/ffn/w_out", (_H + "mlp.c_proj.weight",)),
+        Rule("blocks/ffn/b_out", (_H + "mlp.c_proj.bias",)),
+    ),
+    ignored=r"\.attn\.(masked_)?bias$",
+    strip="transformer.",
+)
+
+
+# --- the families -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One HF `model_type`: its config.json read as model.* keys and written back, and its tensors."""
+
+    name: str
+    architecture: str  # the class transformers builds for it
+    keys: Callable[[dict], dict]
+    to_json: Callable[[ModelConfig], dict]
+    layout: Layout
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("gpt2", "GPT2LMHeadModel", _gpt2_keys, _gpt2_json, GPT2),
+        Family("llama", "LlamaForCausalLM", _llama_keys, _llama_json, LLAMA),
+        Family("mistral", "MistralForCausalLM", _mistral_keys, _mistral_json, LLAMA),
+        Family("qwen2", "Qwen2ForCausalLM", _qwen2_keys, _qwen_json, LLAMA),
+        Family("qwen3", "Qwen3ForCausalLM", _qwen3_keys, _qwen_json, LLAMA),
+    )
+}
+
+
+def read_config_json(path: Path) -> dict:
+    """The checkpoint's config.json; a missing or broken one is an HFError naming it."""
+    file = path / CONFIG_JSON
+    if not file.is_file():
+        raise HFError("model.init_from", f"{path} holds no {CONFIG_JSON} (a Hugging Face model directory)")
+    try:
+        hf = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HFError("model.init_from", f"{file} is not JSON: {str(e).splitlines()[0]}") from None
+    if not isinstance(hf, dict):
+        raise HFError("model.init_from", f"{file} is not a JSON object")
+    return hf
+
+
+def family_of(hf: dict) -> Family:
+    kind = hf.get("model_type")
+    if kind not in FAMILIES:
+        raise _refuse("model_type", f"{kind!r} is not supported ({', '.join(FAMILIES)})")
+    return FAMILIES[kind]
+
+
+def architecture(path: Path) -> dict:
+    """The model.* keys of the checkpoint at `path` (every option it uses checked here)."""
+    hf = read_config_json(path)
+    try:
+        return pinned(family_of(hf).keys(hf))
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, HFError):
+            raise
+        raise _refuse(str(e).strip("'"), f"is missing or malformed ({type(e).__name__})") from None
+
+
+# --- reading the weights ----------------------------------------------------------------------------
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory by name (one file, or the shards of an index), each read
+    on its own with the file open only meanwhile."""
+
+    def __init__(self, path: Path, layout: Layout):
+        self.layout = layout
+        if (path / WEIGHTS_INDEX).is_file():
+            weight_map = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"]
+            self.files = {name: path / file for name, file in weight_map.items()}
+        elif (path / WEIGHTS).is_file():
+            from safetensors import safe_open
+
+            with safe_open(path / WEIGHTS, framework="numpy") as f:
+                self.files = dict.fromkeys(f.keys(), path / WEIGHTS)
+        else:
+            raise HFError("model.init_from", f"{path} holds neither {WEIGHTS} nor {WEIGHTS_INDEX}")
+        self.read: set[str] = set()
+
+    def name(self, name: str) -> str:
+        """The name as this checkpoint spells it (some GPT-2 files leave out "transformer.")."""
+        short = name.removeprefix(self.layout.strip) if self.layout.strip else name
+        if name not in self.files and short in self.files:
+            return short
+        if name not in self.files:
+            raise HFError("model.init_from", f"the checkpoint has no tensor {name} (config.json describes one)")
+        return name
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor; a large one is read in blocks of rows, the file reopened for each, so that
+        its mapped pages never add up to a second copy of it."""
+        from safetensors import safe_open
+
+        name = self.name(name)
+        self.read.add(name)
+        file = self.files[name]
+        with safe_open(file, framework="numpy") as f:
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            first = part[:1] if shape else None
+            if first is None or first.nbytes * shape[0] <= READ_BLOCK_BYTES:
+                return f.get_tensor(name)
+        rows = max(1, READ_BLOCK_BYTES // first.nbytes)
+        out = host_array(tuple(shape), first.dtype)
+        for start in range(0, shape[0], rows):
+            with safe_open(file, framework="numpy") as f:
+                stop = min(start + rows, shape[0])
+                out[start:stop] = f.get_slice(name)[start:stop]
+        return out
+
+    def check_all_read(self) -> None:
+        """A tensor nothing read is a part of the model config.json did not announce: refuse it."""
+        left = sorted(n for n in self.files if n not in self.read and not re.search(self.layout.ignored, n))
+        if left:
+            raise HFError("model.init_from", f"the checkpoint has tensors config.json does not explain: {left[0]}, ...")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _unflatten(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def _converted(ckpt: Checkpoint, rule: Rule, m: ModelConfig, layer: int | None, like: jax.ShapeDtypeStruct):
+    """The value of `rule`'s parameter (one layer's slice of it) from the checkpoint, as `like`."""
+    names = rule.hf_names(layer)
+    xs = [ckpt.get(n) for n in names]
+    # Conversions only move values (zero padding is +0.0's bits): on unsigned integers of the same
+    # width they are exact, and fast for the dtypes numpy only knows through ml_dtypes (bfloat16).
+    as_bits = all(x.dtype == like.dtype for x in xs)
+    try:
+        value = rule.to_ours(m, [x.view(f"u{x.dtype.itemsize}") for x in xs] if as_bits else xs)
+        fits = value.shape == like.shape
+    except ValueError:  # a reshape the sizes do not allow
+        fits = False
+    if not fits:
+        got = ", ".join(f"{n} {list(x.shape)}" for n, x in zip(names, xs))
+        raise HFError("model.init_from", f"{got} do not fit the model config.json describes")
+    return value.view(like.dtype) if as_bits else value.astype(like.dtype, copy=False)
+
+
+def host_array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised host array on a 64-byte boundary, where XLA's CPU client adopts a host
+    buffer as the device's instead of copying it: on a CPU, a parameter is then in memory once."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(size + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + size].view(dtype).reshape(shape)
+
+
+def _load_one(ckpt: Checkpoint, rule: Rule, m: ModelConfig, like: jax.ShapeDtypeStruct) -> jax.Array:
+    """One parameter, placed as `like.sharding` says. A layer-stacked one is assembled a layer at a
+    time in the host array the device array is made from (the device's own memory, on a CPU)."""
+    if rule.per_layer:
+        host = host_array(like.shape, like.dtype)
+        layer_like = jax.ShapeDtypeStruct(like.shape[1:], like.dtype)
+        for layer in range(like.shape[0]):
+            host[layer] = _converted(ckpt, rule, m, layer, layer_like)
+    else:
+        host = _converted(ckpt, rule, m, None, like)
+    return jax.make_array_from_callback(like.shape, like.sharding, lambda index: host[index])
+
+
+def load_params(path: Path, m: ModelConfig, abstract: dict) -> dict:
+    """The checkpoint at `path` as this model's parameters: `abstract` is the parameter dict of
+    ShapeDtypeStructs (with shardings) to fill, for `m` resolved from the same checkpoint."""
+    ckpt = Checkpoint(path, family_of(read_config_json(path)).layout)
+    flat = {key: _load_one(ckpt, ckpt.layout.rule(key), m, like) for key, like in _flatten(abstract).items()}
+    ckpt.check_all_read()
+    return _unflatten(flat)
+
+
+# --- writing a checkpoint -----------------------------------------------------------------------------
+
+NO_EQUIVALENT = "none of the Hugging Face families here (gpt2, llama, mistral, qwen2, qwen3)"
+
+
+def _family_candidate(m: ModelConfig) -> Family:
+    """The one family that could compute what `m` does, or an HFError saying why none can."""
+    reasons = [
+        (m.position not in ("learned", "rope"), f"model.position={m.position}: {NO_EQUIVALENT} encodes positions so"),
+        (m.norm_position != "pre", f"model.norm_position={m.norm_position}: {NO_EQUIVALENT} places norms so"),
+        (m.attn_softcap is not None or m.logit_softcap is not None, f"soft-capping: {NO_EQUIVALENT} has it"),
+        (m.attention_pattern is not None, f"model.attention_pattern: {NO_EQUIVALENT} has per-layer windows"),
+        (
+            m.position == "learned" and m.gated_ffn,
+            f"model.ffn={m.ffn}: GPT-2 (learned positions) has a plain MLP (gelu, gelu_exact, relu)",
+        ),
+        (
+            m.position == "rope" and not m.gated_ffn,
+            f"model.ffn={m.ffn}: the RoPE families (llama, mistral, qwen2, qwen3) have a gated FFN",
+        ),
+    ]
+    for refused, why in reasons:
+        if refused:
+            raise HFError("--export-hf", why)
+    if m.position == "learned":
+        return FAMILIES["gpt2"]
+    if m.qk_norm:
+        return FAMILIES["qwen3"]
+    if m.qkv_bias and not m.use_bias:
+        return FAMILIES["qwen2"]
+    return FAMILIES["mistral" if m.window is not None else "llama"]
+
+
+def export_family(m: ModelConfig) -> Family:
+    """The family that computes exactly what `m` does: its config.json, read back, gives all of `m`'s
+    architecture keys; else an HFError naming the first key it cannot hold."""
+    family = _family_candidate(m)
+    back = pinned(family.keys(family.to_json(m)))
+    for key, value in back.items():
+        ours = getattr(m, key)
+        if ours != value:
+            raise HFError(
+                "--export-hf", f"model.{key}={ours}: HF {family.name} has no such option (it would be {value})"
+            )
+    return family
+
+
+def hf_config(m: ModelConfig, family: Family, token_ids: dict[str, Any]) -> dict:
+    return {
+        "architectures": [family.architecture],
+        "model_type": family.name,
+        **family.to_json(m),
+        "torch_dtype": m.param_dtype,
+        **token_ids,
+    }
+
+
+def hf_tensors(m: ModelConfig, family: Family, params: dict) -> dict[str, np.ndarray]:
+    """The parameters as the family's tensors (host arrays, one at a time from the devices)."""
+    tensors = {}
+    for key, leaf in _flatten(params).items():
+        rule = family.layout.rule(key)
+        host = np.asarray(jax.device_get(leaf))
+        for layer in range(host.shape[0]) if rule.per_layer else [None]:
+            values = rule.to_hf(m, host if layer is None else host[layer])
+            tensors.update({n: np.ascontiguousarray(v) for n, v in zip(rule.hf_names(layer), values)})
+    return tensors
+
+
+def save(m: ModelConfig, params: dict, out: Path, token_ids: dict[str, Any] | None = None) -> Family:
+    """Write config.json and model.safetensors for `params` (a model of `m`) into `out`."""
+    from safetensors.numpy import save_file
+
+    family = export_family(m)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf_tensors(m, family, params), str(out / WEIGHTS), metadata={"format": "pt"})
+    config = hf_config(m, family, token_ids or {})
+    (out / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
+    return family
+
+
+# --- whole models ---------------------------------------------------------------------------------------
+
+
+def model_config(path: Path, **options: Any) -> ModelConfig:
+    """The ModelConfig of the checkpoint at `path`; `options` set the keys config.json leaves free
+    (dtype, scan_layers, attention_impl, vocab_multiple, ...)."""
+    return ModelConfig(**(options | architecture(path)))
+
+
+def abstract_params(m: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> dict:
+    """The parameter dict of `m` as ShapeDtypeStructs placed as the sharding table says (on one
+    device without a mesh)."""
+    from flax import nnx
+
+    from transformer import sharding
+    from transformer.model import Transformer
+
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0))), nnx.Param)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        placed = jax.tree.map(lambda _: device, nnx.to_pure_dict(abstract))
+    else:
+        placed = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nnx.to_pure_dict(abstract), placed
+    )
+
+
+def load_model(path: str | Path, **options: Any):
+    """(ModelConfig, Transformer) of the checkpoint at `path`, on one device. For notebooks and tests:
+    `m, model = load_model("Qwen3-0.6B")`; `model(tokens)` gives logits."""
+    from flax import nnx
+
+    from transformer.model import Transformer
+
+    path = Path(path).expanduser()
+    m = model_config(path, **options)
+    params = load_params(path, m, abstract_params(m))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0))))
+    return m, nnx.merge(graphdef, params)
+
+
+# --- the command-line paths: train.py model.init_from=PATH, eval.py --hf PATH / --export-hf OUT -------------
+
+
+def _written_keys(config_path: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The flattened keys the user's config (file chain and overrides) sets to values of its own: those
+    that differ from the embedded default config's, which stands in for what nobody wrote."""
+    from transformer.config import flatten
+    from transformer.config_loader import load_raw
+
+    written, default = flatten(load_raw(config_path, overrides)), flatten(load_raw(None))
+    missing = object()
+    return {k: v for k, v in written.items() if default.get(k, missing) != v}
+
+
+def with_pretrained(cfg: Config, config_path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """`cfg` with the architecture of its model.init_from checkpoint, and its tokenizer when the
+    config names none. A model key the config sets to a value config.json contradicts is refused
+    with a diff, before anything is built."""
+    assert cfg.model.init_from is not None
+    path = Path(cfg.model.init_from).expanduser()
+    arch = architecture(path)
+    written = _written_keys(config_path, list(overrides))
+    clashes = [
+        f"model.{key}: {getattr(cfg.model, key)!r} (config) vs {value!r} (config.json)"
+        for key, value in arch.items()
+        if f"model.{key}" in written and getattr(cfg.model, key) != value
+    ]
+    if clashes:
+        raise ConfigError(
+            "model.init_from",
+            f"{path}/{CONFIG_JSON} sets the architecture, and the config contradicts it: {'; '.join(clashes)}; "
+            "leave those keys out",
+        )
+    data = cfg.data
+    if "data.tokenizer" not in written and (path / TOKENIZER_JSON).is_file():
+        data = dataclasses.replace(data, tokenizer=f"pretrained:{path}")
+    model = dataclasses.replace(cfg.model, **arch)
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
+def run_config(path: Path, overrides: Sequence[str] = ()) -> Config:
+    """What `eval.py --hf PATH` evaluates with: the default config with model.init_from=PATH, and the
+    overrides (data.source=..., mesh.*)."""
+    from transformer.config_loader import load_config
+
+    given = [f"model.init_from={path}", *overrides]
+    return with_pretrained(load_config(None, given), None, given)
+
+
+def _params_on_mesh(cfg: Config, path: Path, trainer) -> dict:
+    return load_params(path, cfg.model, trainer.abstract_state().params)
+
+
+def evaluate(path: Path, overrides: Sequence[str] = (), split: str = "val", batches: int | None = None) -> dict:
+    """`eval.py --hf PATH`: as `evaluate.evaluate` of a run, at step 0, on the config's data."""
+    from transformer import sharding
+    from transformer.evaluate import evaluate_params
+    from transformer.trainer import Trainer
+
+    cfg = run_config(path, overrides)
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
+    return evaluate_params(cfg, trainer, _params_on_mesh(cfg, path, trainer), 0, None, split, batches)
+
+
+def sample(path: Path, prompts: list[str], sampling) -> list[str]:
+    """`eval.py --hf PATH --generate ...`: continuations of the prompts, with PATH's tokenizer."""
+    from flax import nnx
+
+    from transformer.data import cache_directory, make_tokenizer
+    from transformer.evaluate import checked_prompts, complete
+    from transformer.model import Transformer
+
+    cfg = run_config(path)
+    tokenizer = make_tokenizer(cfg.data, None, cache_directory(cfg.data))
+    encoded = checked_prompts(cfg, tokenizer, prompts, sampling)
+    params = load_params(path, cfg.model, abstract_params(cfg.model))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    return complete(nnx.merge(graphdef, params), tokenizer, encoded, sampling)
+
+
+def export_run(workdir: Path, step: int | None, out: Path, note: Callable[[str], None]) -> str:
+    """`eval.py --workdir RUN [--step N] --export-hf OUT`: the checkpoint as a Hugging Face model
+    directory, with the run's tokenizer; returns a line saying what was written."""
+    from flax import nnx
+
+    from transformer.checkpoint import load
+    from transformer.data import cache_directory, make_tokenizer
+    from transformer.evaluate import run_config as saved_config
+
+    cfg = saved_config(workdir, [])
+    family = export_family(cfg.model)  # refuse before reading anything
+    if out.exists() and any(out.iterdir()):
+        raise HFError("--export-hf", f"{out} exists and is not empty: give a new directory")
+    tokenizer = make_tokenizer(cfg.data, workdir, cache_directory(cfg.data))
+    _, model = load(workdir, step, note)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    save(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, ids)
+    written = [CONFIG_JSON, WEIGHTS]
+    for name, text in tokenizer.files().items():
+        (out / name).write_text(text)
+        written.append(name)
+    return f"wrote {out} ({family.name}): {', '.join(written)}"
