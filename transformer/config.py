@@ -457,6 +457,12 @@ class OptimConfig:
         _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", f"must be > 0 or null, got {self.clip_norm}")
 
 
+# A vocabulary this large (GPT-2's, Llama's) makes the float32 logits of a batch one of a step's
+# largest buffers (4 bytes x vocabulary per token): the loss then forms them LOSS_CHUNK_AUTO tokens at a time.
+LARGE_VOCAB = 32768
+LOSS_CHUNK_AUTO = 8192
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 600
@@ -465,9 +471,17 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 200
     z_loss: float = 0.0
+    # tokens of a micro-batch whose logits the loss forms at once (transformer/loss.py): 0 all of
+    # them; null (auto) LOSS_CHUNK_AUTO tokens when the padded vocabulary is LARGE_VOCAB or more
+    loss_chunk: int | None = None
 
     def __post_init__(self):
         _check_ints(self)
+        _check(
+            self.loss_chunk is None or self.loss_chunk >= 0,
+            "loss_chunk",
+            f"must be >= 0 or null, got {self.loss_chunk}",
+        )
         for name in ("steps", "batch_size", "grad_accum", "eval_every"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(
@@ -589,6 +603,13 @@ class Config:
         )
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)
+
+    @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the cross-entropy, 0 for none (`train.loss_chunk`, auto resolved)."""
+        if self.train.loss_chunk is not None:
+            return self.train.loss_chunk
+        return LOSS_CHUNK_AUTO if self.model.padded_vocab >= LARGE_VOCAB else 0
 
     def with_vocab(self, vocab_size: int) -> Config:
         """This config with the model's vocabulary taken from the tokenizer."""
