@@ -15,16 +15,21 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from transformer import rundir, sharding
+from transformer import preflight, rundir, sharding
 from transformer.checkpoint import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
 from transformer.config import Config
 from transformer.data import Data
+from transformer.errors import EXIT_FAILED, first_line
 from transformer.metrics import Progress, Throughput, device_peak_flops
 from transformer.model.summary import count_params, flops_per_token
 from transformer.monitor import Anomaly, Faults, Monitor, MonitorStop, Recovery
 from transformer.rundir import RunWriter
 from transformer.signals import Preempted, StopSignal
 from transformer.trainer import Trainer, TrainState, default_controls
+
+
+def _process() -> tuple[int, int]:
+    return jax.process_index(), jax.process_count()
 
 
 @dataclasses.dataclass
@@ -78,6 +83,8 @@ class TrainLoop:
         self.lead = jax.process_index() == 0
         self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard)
         self.trainer = Trainer(cfg, self.mesh)
+        # compiled here, ahead of the first step, to log (and check) what a device will hold
+        self.train_step, self.plan = preflight.start_step(self.trainer, data.train_batch(0, *_process()))
         self.peak = self._announce()
         self.state = start if start is not None else self.trainer.init(jax.random.key(cfg.train.seed))
         self.step = int(self.state.step)  # the next step to train
@@ -104,7 +111,7 @@ class TrainLoop:
             self.log(
                 f"{count_params(self.cfg.model):,} parameters on {self.mesh.devices.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(self.mesh.shape)}; "
-                f"peak {peak / 1e12:.3g} TFLOP/s per device ({source})"
+                f"peak {peak / 1e12:.3g} TFLOP/s per device ({source}); {self.plan.memory()}"
             )
         return peak
 
@@ -119,6 +126,7 @@ class TrainLoop:
             mesh=dict(mesh.shape),
             peak_flops=self.peak,
             data=self.data.summary,
+            memory=self.plan.figures(),
         )
         self.meter.restart(self.step)
         try:
@@ -132,6 +140,10 @@ class TrainLoop:
             step = e.step if e.step is not None else self.step
             self.writer.event("save_failed", step, error=e.reason, newest_checkpoint=e.newest)
             raise
+        except jax.errors.JaxRuntimeError as e:
+            if not preflight.is_out_of_memory(e):
+                raise
+            raise preflight.OutOfMemory(self.plan.too_large(first_line(e)), EXIT_FAILED) from None
         finally:
             self.progress.close()
             self.writer.close()
@@ -143,7 +155,7 @@ class TrainLoop:
         """Train step `self.step`, then evaluate, record statistics, checkpoint, roll back or stop as due."""
         step, every = self.step, self.cfg.checkpoint.every
         batch = self.trainer.put_batch(self.batch(step), self.cfg.train.batch_size)
-        self.state, metrics = self.trainer.train_step(self.state, batch, self.controls(step))
+        self.state, metrics = self.train_step(self.state, batch, self.controls(step))
         self.observe()
         done = step + 1
         self.pending.append((done, metrics))
