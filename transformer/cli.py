@@ -74,6 +74,8 @@ def train_main(argv: list[str] | None = None) -> int:
         args.config = None
     from transformer.sweep import load_sweep
 
+    if args.profile is not None:  # quoted: YAML reads an unquoted 5:10 as the base-60 number 310
+        args.overrides.append(f"logging.profile='{args.profile}'")
     try:
         sweep = load_sweep(args.config, args.overrides)
         cfg = load_config(args.config, args.overrides) if sweep is None else None

@@ -573,10 +573,26 @@ class LoggingConfig:
     every: int = 10
     tensorboard: bool = True
     progress: bool = True
+    profile: str | None = None  # "START:STOP": a jax.profiler trace of steps START..STOP-1 (transformer/profile.py)
 
     def __post_init__(self):
         _check_ints(self)
         _check(self.every >= 1, "every", f"must be >= 1, got {self.every}")
+        _ = self.profile_steps  # refuses a malformed window now, not at step START
+
+    @property
+    def profile_steps(self) -> tuple[int, int] | None:
+        """(START, STOP) of `profile`, or None."""
+        if self.profile is None:
+            return None
+        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(self.profile))
+        _check(
+            match is not None and int(match[1]) < int(match[2]),
+            "profile",
+            f"must be START:STOP with START < STOP (quoted in YAML: '5:10'), got {self.profile!r}",
+        )
+        assert match is not None
+        return int(match[1]), int(match[2])
 
 
 @dataclasses.dataclass(frozen=True)

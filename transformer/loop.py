@@ -23,6 +23,7 @@ from transformer.errors import EXIT_FAILED, first_line
 from transformer.metrics import Progress, Throughput, device_peak_flops
 from transformer.model.summary import count_params, flops_per_token
 from transformer.monitor import Anomaly, Faults, Monitor, MonitorStop, Recovery
+from transformer.profile import ProfileWindow
 from transformer.rundir import RunWriter
 from transformer.signals import Preempted, StopSignal
 from transformer.trainer import Trainer, TrainState, default_controls
@@ -82,6 +83,8 @@ class TrainLoop:
         self.mesh = mesh or sharding.make_mesh(cfg)
         self.lead = jax.process_index() == 0
         self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard)
+        trace_dir = workdir / rundir.TENSORBOARD if workdir is not None and self.lead else None
+        self.profile = ProfileWindow(cfg.logging.profile_steps, trace_dir, log)
         self.trainer = Trainer(cfg, self.mesh)
         # compiled here, ahead of the first step, to log (and check) what a device will hold
         self.train_step, self.plan = preflight.start_step(self.trainer, data.train_batch(0, *_process()))
@@ -145,6 +148,7 @@ class TrainLoop:
                 raise
             raise preflight.OutOfMemory(self.plan.too_large(first_line(e)), EXIT_FAILED) from None
         finally:
+            self.profile.close()
             self.progress.close()
             self.writer.close()
         return RunResult(
@@ -155,7 +159,9 @@ class TrainLoop:
         """Train step `self.step`, then evaluate, record statistics, checkpoint, roll back or stop as due."""
         step, every = self.step, self.cfg.checkpoint.every
         batch = self.trainer.put_batch(self.batch(step), self.cfg.train.batch_size)
+        self.profile.before(step)
         self.state, metrics = self.train_step(self.state, batch, self.controls(step))
+        self.profile.after(step + 1, self.state)
         self.observe()
         done = step + 1
         self.pending.append((done, metrics))
