@@ -68,6 +68,9 @@ def _distributed(args) -> None:
 
 def train_main(argv: list[str] | None = None) -> int:
     args = train_parser().parse_intermixed_args(argv)
+    from transformer.accelerator import apply_xla_gpu_flags
+
+    apply_xla_gpu_flags()  # before JAX starts its backend: XLA reads its flags once
     # A first positional with '=' is an override, not a file: `train.py model.window=64` works too.
     if args.config is not None and "=" in args.config and not _is_file(args.config):
         args.overrides.insert(0, args.config)

@@ -34,7 +34,7 @@ NormPosition = Literal["pre", "post", "sandwich", "deepnorm"]
 Ffn = Literal["relu", "gelu", "swiglu", "geglu", "reglu"]
 GATED_FFNS = ("swiglu", "geglu", "reglu")
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
-AttentionImpl = Literal["xla", "einsum", "cudnn"]
+AttentionImpl = Literal["xla", "einsum", "cudnn", "auto"]  # auto: transformer/platform.py chooses
 LayerKind = Literal["local", "global"]
 Remat = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -203,7 +203,7 @@ class ModelConfig:
 
     def _check_attention_impl(self) -> None:
         # jax.nn.dot_product_attention has no hook for soft-capping or dropping attention weights.
-        if self.attention_impl != "einsum":
+        if self.attention_impl not in ("einsum", "auto"):
             for name in ("attn_softcap", "attn_dropout"):
                 _check(
                     not getattr(self, name),

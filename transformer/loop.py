@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from transformer import preflight, rundir, sharding
+from transformer.accelerator import choose_attention
 from transformer.checkpoint import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
 from transformer.config import Config
 from transformer.data import Data
@@ -110,11 +111,15 @@ class TrainLoop:
     def _announce(self) -> float:
         """Log the model, devices, mesh and peak FLOP/s (process 0); returns the peak of one device."""
         peak, source = device_peak_flops()
+        attention = ""
+        if self.cfg.model.attention_impl == "auto":
+            impl, why = choose_attention(self.cfg, jax.default_backend())
+            attention = f"attention {impl} (auto: {why}); "
         if self.lead:
             self.log(
                 f"{count_params(self.cfg.model):,} parameters on {self.mesh.devices.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(self.mesh.shape)}; "
-                f"peak {peak / 1e12:.3g} TFLOP/s per device ({source}); {self.plan.memory()}"
+                f"peak {peak / 1e12:.3g} TFLOP/s per device ({source}); {attention}{self.plan.memory()}"
             )
         return peak
 

@@ -13,12 +13,14 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from transformer import sharding
+from transformer.accelerator import resolve
 from transformer.config import Config, ConfigError
 from transformer.errors import EXIT_USAGE, first_line
 from transformer.model.summary import count_params, flops_per_token
@@ -257,20 +259,27 @@ def measure(
     )
 
 
-def start_step(trainer: Trainer, local: dict[str, np.ndarray]) -> tuple[jax.stages.Compiled, Plan]:
+def start_step(trainer: Trainer, local: dict[str, np.ndarray]) -> tuple[Callable, Plan]:
     """A real run's train step, compiled for batches like `local` (this process's rows), and its
-    plan on the local devices; OutOfMemory (EXIT_USAGE) if it cannot fit one."""
+    plan on the local devices; OutOfMemory (EXIT_USAGE) if it cannot fit one. The step is the
+    executable measured, unless it returns a state of other types than it takes (optax keeps
+    float32 moments of bfloat16 parameters after the first update): then the jitted step, which
+    compiles once more for them."""
     batch = abstract_batch(trainer.cfg, trainer.mesh, local)
     compiled, seconds = compile_step(trainer, batch)
     p = measure(trainer.cfg, trainer, compiled, batch, seconds, local_target())
     if not p.fits:
         raise OutOfMemory(p.too_large("the compiled step needs more than a device holds"), EXIT_USAGE)
-    return compiled, p
+    same = jax.tree.map(
+        lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype), trainer.abstract_state(), compiled.out_info[0]
+    )
+    return (compiled if all(jax.tree.leaves(same)) else trainer.train_step), p
 
 
 def plan(cfg: Config, target: Target) -> Plan:
     """Compile `cfg`'s train step (its vocabulary resolved: `vocab_size`) for `target` from abstract
     shapes (nothing is allocated) and measure it."""
+    cfg = resolve(cfg, target.platform)
     if target.platform == jax.default_backend():  # what this backend cannot run at all (cudnn on CPU, ...)
         sharding.check_attention_support(cfg.model)
     mesh = sharding.make_mesh(cfg, target.devices)

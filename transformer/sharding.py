@@ -118,6 +118,9 @@ def check_platform(cfg: Config) -> None:
     """Refuse, before anything is built, a run that the schema allows but this backend cannot run:
     an attention implementation or a compute dtype it does not support, or sizes that cannot fit in
     a device's memory. One ConfigError naming the key and what would work."""
+    from transformer.accelerator import resolve
+
+    cfg = resolve(cfg)  # attention_impl: auto -> what this backend runs
     check_attention_support(cfg.model)
     check_training_memory(cfg, mesh_shape(cfg, jax.device_count()))
 

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from transformer import loss, sharding
+from transformer import accelerator, loss, sharding
 from transformer.config import Config
 from transformer.data import Data
 from transformer.loss import cross_entropy as cross_entropy  # its old home: callers import it from here
@@ -98,6 +98,7 @@ class Trainer:
     """Builds the jitted steps for one config on one mesh."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+        cfg = accelerator.resolve(cfg)  # attention_impl: auto -> this backend's pick
         self.cfg = cfg
         self.mesh = mesh
         self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
