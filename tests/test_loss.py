@@ -96,3 +96,14 @@ def test_auto_chunks_only_large_vocabularies():
     assert large.loss_chunk > 0
     off = dataclasses.replace(large, train=TrainConfig(loss_chunk=0))
     assert off.loss_chunk == 0
+
+
+def test_the_memory_bound_counts_one_chunk_of_logits():
+    """The refusal before anything is built (sharding.training_bytes) must stay a lower bound."""
+    from transformer.sharding import training_bytes
+
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    cfg = Config(model=ModelConfig(vocab_size=50257), data=DataConfig(seq_len=8192), train=TrainConfig(batch_size=2))
+    plain = dataclasses.replace(cfg, train=TrainConfig(batch_size=2, loss_chunk=0))
+    assert cfg.loss_chunk == 4096
+    assert 4 * training_bytes(cfg, sizes)["logits"][1] == training_bytes(plain, sizes)["logits"][1]

@@ -457,10 +457,12 @@ class OptimConfig:
         _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", f"must be > 0 or null, got {self.clip_norm}")
 
 
-# A vocabulary this large (GPT-2's, Llama's) makes the float32 logits of a batch one of a step's
-# largest buffers (4 bytes x vocabulary per token): the loss then forms them LOSS_CHUNK_AUTO tokens at a time.
-LARGE_VOCAB = 32768
-LOSS_CHUNK_AUTO = 8192
+# A vocabulary this large (GPT-2's, Llama's) makes the float32 logits of a batch (4 bytes x vocabulary
+# per token), and their gradient, among a step's largest buffers: the loss then forms them in chunks
+# of the largest power-of-two number of tokens whose logits fit LOSS_CHUNK_BYTES (GPT-2: 4,096 tokens;
+# Llama 3: 2,048), over the whole micro-batch, so a device holds its share of that.
+LARGE_VOCAB = 16384
+LOSS_CHUNK_BYTES = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,7 +474,7 @@ class TrainConfig:
     eval_every: int = 200
     z_loss: float = 0.0
     # tokens of a micro-batch whose logits the loss forms at once (transformer/loss.py): 0 all of
-    # them; null (auto) LOSS_CHUNK_AUTO tokens when the padded vocabulary is LARGE_VOCAB or more
+    # them; null (auto) chunks of LOSS_CHUNK_BYTES of logits when the padded vocabulary is LARGE_VOCAB or more
     loss_chunk: int | None = None
 
     def __post_init__(self):
@@ -625,7 +627,8 @@ class Config:
         """Tokens per chunk of the cross-entropy, 0 for none (`train.loss_chunk`, auto resolved)."""
         if self.train.loss_chunk is not None:
             return self.train.loss_chunk
-        return LOSS_CHUNK_AUTO if self.model.padded_vocab >= LARGE_VOCAB else 0
+        V = self.model.padded_vocab
+        return 2 ** int(math.log2(LOSS_CHUNK_BYTES // (4 * V))) if V >= LARGE_VOCAB else 0
 
     def with_vocab(self, vocab_size: int) -> Config:
         """This config with the model's vocabulary taken from the tokenizer."""
