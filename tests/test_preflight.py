@@ -128,3 +128,19 @@ def test_a_sweep_preflights_every_member(tmp_path, capsys, monkeypatch):
     temporaries = [line for line in out.splitlines() if "memory per device" in line]
     assert len(temporaries) == 2 and temporaries[0] != temporaries[1]
     assert not list(tmp_path.glob("runs"))  # nothing was run
+
+
+@pytest.mark.slow
+def test_train_py_preflight_refuses_an_impossible_mesh_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    args = [sys.executable, "train.py", "--preflight", *TINY, "mesh.tensor=2", "mesh.data=4"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == EXIT_USAGE
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "mesh" in result.stderr and "devices" in result.stderr
