@@ -405,13 +405,15 @@ def load(workdir: str | Path, step: int | None = None, log: Callable[[str], None
     """
     from flax import nnx
 
+    from transformer.accelerator import resolve
     from transformer.model import Transformer
 
     workdir = Path(workdir)
     if not rundir.has_config(workdir):
         raise CheckpointError(f"{workdir} holds no run (no {rundir.CONFIG})")
     cfg = rundir.read_config(workdir)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    model_cfg = resolve(cfg).model  # attention_impl: auto -> this backend's pick
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
     params_shape = nnx.to_pure_dict(abstract_params)
     ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)

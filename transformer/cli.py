@@ -37,6 +37,13 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, values parsed as YAML")
     p.add_argument("--workdir", default=None, help="run directory (default: runs/<config>-<time>)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and model summary, then exit")
+    p.add_argument(
+        "--preflight", action="store_true", help="compile the train step, print its memory and FLOPs per device, exit"
+    )
+    p.add_argument("--topology", default=None, help="with --preflight: compile for a TPU slice, e.g. v5e-16, v5p-128")
+    p.add_argument(
+        "--profile", default=None, metavar="START:STOP", help="write a jax.profiler trace of steps START..STOP-1"
+    )
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="sweeps: run N members at once")
     p.add_argument("--print-commands", action="store_true", help="sweeps: print each member's command, run none")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
@@ -61,12 +68,17 @@ def _distributed(args) -> None:
 
 def train_main(argv: list[str] | None = None) -> int:
     args = train_parser().parse_intermixed_args(argv)
+    from transformer.accelerator import apply_xla_gpu_flags
+
+    apply_xla_gpu_flags()  # before JAX starts its backend: XLA reads its flags once
     # A first positional with '=' is an override, not a file: `train.py model.window=64` works too.
     if args.config is not None and "=" in args.config and not _is_file(args.config):
         args.overrides.insert(0, args.config)
         args.config = None
     from transformer.sweep import load_sweep
 
+    if args.profile is not None:  # quoted: YAML reads an unquoted 5:10 as the base-60 number 310
+        args.overrides.append(f"logging.profile='{args.profile}'")
     try:
         sweep = load_sweep(args.config, args.overrides)
         cfg = load_config(args.config, args.overrides) if sweep is None else None
@@ -81,6 +93,10 @@ def train_main(argv: list[str] | None = None) -> int:
     assert cfg is not None
     if args.parallel != 1 or args.print_commands:
         _fail("train.py", "--parallel and --print-commands are for sweep files (a config with a sweep: block)")
+    if args.topology is not None and not args.preflight:
+        _fail("train.py", "--topology goes with --preflight (it compiles for a TPU slice, it cannot run there)")
+    if args.preflight:
+        return _preflight_main([("", cfg)], args.topology)
     if args.dry_run:
         from transformer.model.summary import summary_text
 
@@ -90,6 +106,25 @@ def train_main(argv: list[str] | None = None) -> int:
         return 0
     _distributed(args)
     return _train_job(cfg, Path(args.workdir) if args.workdir else _default_workdir(args.config))
+
+
+def _preflight_main(configs: list[tuple[str, Config]], topology: str | None) -> int:
+    """`--preflight`: each config's compiled memory and FLOPs; EXIT_USAGE and a line for each that is
+    impossible or does not fit (a sweep's members are all tried)."""
+    from transformer.preflight import OutOfMemory, run_preflight
+
+    code = 0
+    for name, cfg in configs:
+        prefix = f"{name}: " if name else ""
+        try:
+            run_preflight(cfg, topology, log=lambda text, p=prefix: print(p + text.replace("\n", "\n" + p)))
+        except ConfigError as e:
+            print(f"train.py: error: {prefix}config: {e}", file=sys.stderr)
+            code = EXIT_USAGE
+        except OutOfMemory as e:
+            print(f"train.py: error: {prefix}{e}", file=sys.stderr)
+            code = EXIT_USAGE
+    return code
 
 
 def _is_file(text: str) -> bool:
@@ -107,6 +142,7 @@ def _train_job(cfg: Config, workdir: Path) -> int:
     from transformer.data import DataError
     from transformer.job import run
     from transformer.monitor import MonitorStop
+    from transformer.preflight import OutOfMemory
     from transformer.rundir import Busy
     from transformer.signals import Preempted
 
@@ -124,6 +160,9 @@ def _train_job(cfg: Config, workdir: Path) -> int:
     except MonitorStop as e:
         print(f"train.py: error: monitor: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except OutOfMemory as e:  # the figures and the knobs, not XLA's traceback
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return e.exit_code
     except Preempted as e:
         where = f"the newest checkpoint is step {e.step}" if e.step is not None else "no checkpoint could be written"
         print(f"train.py: preempted: {where}; run the same command to resume", file=sys.stderr)
@@ -141,6 +180,8 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
         _fail("train.py", "a sweep runs each member as its own process; hand --print-commands to your scheduler")
     if args.dry_run:
         return _sweep_dry_run(sweep)
+    if args.preflight:
+        return _preflight_main([(m.name, m.config) for m in sweep.members], args.topology)
     workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem
     try:
         if args.print_commands:

@@ -35,7 +35,7 @@ Ffn = Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu", "reglu"]
 GATED_FFNS = ("swiglu", "geglu", "reglu")
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
 RopeScaling = Literal["none", "linear", "llama3"]
-AttentionImpl = Literal["xla", "einsum", "cudnn"]
+AttentionImpl = Literal["xla", "einsum", "cudnn", "auto"]  # auto: accelerator.choose_attention decides
 AttentionKind = Literal["mha", "mla"]  # mha covers GQA and MQA through n_kv_heads
 MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 LayerKind = Literal["local", "global"]
@@ -234,7 +234,7 @@ class ModelConfig:
 
     def _check_attention_impl(self) -> None:
         # jax.nn.dot_product_attention has no hook for soft-capping or dropping attention weights.
-        if self.attention_impl != "einsum":
+        if self.attention_impl not in ("einsum", "auto"):
             for name in ("attn_softcap", "attn_dropout"):
                 _check(
                     not getattr(self, name),
@@ -543,6 +543,14 @@ class OptimConfig:
         _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", f"must be > 0 or null, got {self.clip_norm}")
 
 
+# A vocabulary this large (GPT-2's, Llama's) makes the float32 logits of a batch (4 bytes x vocabulary
+# per token), and their gradient, among a step's largest buffers: the loss then forms them in chunks
+# of the largest power-of-two number of tokens whose logits fit LOSS_CHUNK_BYTES (GPT-2: 4,096 tokens;
+# Llama 3: 2,048), over the whole micro-batch, so a device holds its share of that.
+LARGE_VOCAB = 16384
+LOSS_CHUNK_BYTES = 2**30
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 600
@@ -551,9 +559,17 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 200
     z_loss: float = 0.0
+    # tokens of a micro-batch whose logits the loss forms at once (transformer/loss.py): 0 all of
+    # them; null (auto) chunks of LOSS_CHUNK_BYTES of logits when the padded vocabulary is LARGE_VOCAB or more
+    loss_chunk: int | None = None
 
     def __post_init__(self):
         _check_ints(self)
+        _check(
+            self.loss_chunk is None or self.loss_chunk >= 0,
+            "loss_chunk",
+            f"must be >= 0 or null, got {self.loss_chunk}",
+        )
         for name in ("steps", "batch_size", "grad_accum", "eval_every"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(
@@ -645,10 +661,26 @@ class LoggingConfig:
     every: int = 10
     tensorboard: bool = True
     progress: bool = True
+    profile: str | None = None  # "START:STOP": a jax.profiler trace of steps START..STOP-1 (transformer/profile.py)
 
     def __post_init__(self):
         _check_ints(self)
         _check(self.every >= 1, "every", f"must be >= 1, got {self.every}")
+        _ = self.profile_steps  # refuses a malformed window now, not at step START
+
+    @property
+    def profile_steps(self) -> tuple[int, int] | None:
+        """(START, STOP) of `profile`, or None."""
+        if self.profile is None:
+            return None
+        match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(self.profile))
+        _check(
+            match is not None and int(match[1]) < int(match[2]),
+            "profile",
+            f"must be START:STOP with START < STOP (quoted in YAML: '5:10'), got {self.profile!r}",
+        )
+        assert match is not None
+        return int(match[1]), int(match[2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -675,6 +707,14 @@ class Config:
         )
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)
+
+    @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the cross-entropy, 0 for none (`train.loss_chunk`, auto resolved)."""
+        if self.train.loss_chunk is not None:
+            return self.train.loss_chunk
+        V = self.model.padded_vocab
+        return 2 ** int(math.log2(LOSS_CHUNK_BYTES // (4 * V))) if V >= LARGE_VOCAB else 0
 
     def with_vocab(self, vocab_size: int) -> Config:
         """This config with the model's vocabulary taken from the tokenizer; a pretrained model keeps

@@ -15,16 +15,23 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from transformer import rundir, sharding
+from transformer import preflight, rundir, sharding
+from transformer.accelerator import choose_attention
 from transformer.checkpoint import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
 from transformer.config import Config
 from transformer.data import Data
+from transformer.errors import EXIT_FAILED, first_line
 from transformer.metrics import Progress, Throughput, device_peak_flops
 from transformer.model.summary import count_params, flops_per_token
 from transformer.monitor import Anomaly, Faults, Monitor, MonitorStop, Recovery
+from transformer.profile import ProfileWindow
 from transformer.rundir import RunWriter
 from transformer.signals import Preempted, StopSignal
 from transformer.trainer import Trainer, TrainState, default_controls
+
+
+def _process() -> tuple[int, int]:
+    return jax.process_index(), jax.process_count()
 
 
 @dataclasses.dataclass
@@ -77,7 +84,11 @@ class TrainLoop:
         self.mesh = mesh or sharding.make_mesh(cfg)
         self.lead = jax.process_index() == 0
         self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard)
+        trace_dir = workdir / rundir.TENSORBOARD if workdir is not None and self.lead else None
+        self.profile = ProfileWindow(cfg.logging.profile_steps, trace_dir, log)
         self.trainer = Trainer(cfg, self.mesh)
+        # compiled here, ahead of the first step, to log (and check) what a device will hold
+        self.train_step, self.plan = preflight.start_step(self.trainer, data.train_batch(0, *_process()))
         self.peak = self._announce()
         self.state = start if start is not None else self.trainer.initial_state()
         self.step = int(self.state.step)  # the next step to train
@@ -100,11 +111,15 @@ class TrainLoop:
     def _announce(self) -> float:
         """Log the model, devices, mesh and peak FLOP/s (process 0); returns the peak of one device."""
         peak, source = device_peak_flops()
+        attention = ""
+        if self.cfg.model.attention_impl == "auto":
+            impl, why = choose_attention(self.cfg, jax.default_backend())
+            attention = f"attention {impl} (auto: {why}); "
         if self.lead:
             self.log(
                 f"{count_params(self.cfg.model):,} parameters on {self.mesh.devices.size} "
                 f"{jax.devices()[0].platform} device(s), mesh {dict(self.mesh.shape)}; "
-                f"peak {peak / 1e12:.3g} TFLOP/s per device ({source})"
+                f"peak {peak / 1e12:.3g} TFLOP/s per device ({source}); {attention}{self.plan.memory()}"
             )
         return peak
 
@@ -119,6 +134,7 @@ class TrainLoop:
             mesh=dict(mesh.shape),
             peak_flops=self.peak,
             data=self.data.summary,
+            memory=self.plan.figures(),
         )
         self.meter.restart(self.step)
         try:
@@ -132,7 +148,12 @@ class TrainLoop:
             step = e.step if e.step is not None else self.step
             self.writer.event("save_failed", step, error=e.reason, newest_checkpoint=e.newest)
             raise
+        except jax.errors.JaxRuntimeError as e:
+            if not preflight.is_out_of_memory(e):
+                raise
+            raise preflight.OutOfMemory(self.plan.too_large(first_line(e)), EXIT_FAILED) from None
         finally:
+            self.profile.close()
             self.progress.close()
             self.writer.close()
         return RunResult(
@@ -143,7 +164,9 @@ class TrainLoop:
         """Train step `self.step`, then evaluate, record statistics, checkpoint, roll back or stop as due."""
         step, every = self.step, self.cfg.checkpoint.every
         batch = self.trainer.put_batch(self.batch(step), self.cfg.train.batch_size)
-        self.state, metrics = self.trainer.train_step(self.state, batch, self.controls(step))
+        self.profile.before(step)
+        self.state, metrics = self.train_step(self.state, batch, self.controls(step))
+        self.profile.after(step + 1, self.state)
         self.observe()
         done = step + 1
         self.pending.append((done, metrics))

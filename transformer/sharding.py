@@ -119,6 +119,9 @@ def check_platform(cfg: Config) -> None:
     """Refuse, before anything is built, a run that the schema allows but this backend cannot run:
     an attention implementation or a compute dtype it does not support, or sizes that cannot fit in
     a device's memory. One ConfigError naming the key and what would work."""
+    from transformer.accelerator import resolve
+
+    cfg = resolve(cfg)  # attention_impl: auto -> what this backend runs
     check_attention_support(cfg.model)
     check_training_memory(cfg, mesh_shape(cfg, jax.device_count()))
 
@@ -182,8 +185,16 @@ def training_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[str, i
     return {
         "parameters, gradients and optimiser state": ("model.d_model", param_bytes * copies),
         f"attention scores ({rows} x {m.n_heads} heads x {T} x {T} x 4 bytes)": ("data.seq_len", scores),
-        "logits": ("data.seq_len", rows * T * m.padded_vocab // sizes["tensor"] * 4),
+        "logits": ("data.seq_len", rows * logit_positions(cfg) * m.padded_vocab // sizes["tensor"] * 4),
     }
+
+
+def logit_positions(cfg: Config) -> int:
+    """Positions of each row whose float32 logits exist at once: all of them, or a chunk's
+    (`train.loss_chunk`, see transformer/loss.py)."""
+    T, chunk = cfg.data.seq_len, cfg.loss_chunk
+    micro_batch = cfg.train.batch_size // cfg.train.grad_accum
+    return T if not chunk or chunk >= micro_batch * T else max(1, chunk // micro_batch)
 
 
 def device_memory() -> tuple[int, str]:

@@ -19,9 +19,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from transformer import sharding
+from transformer import accelerator, loss, sharding
 from transformer.config import Config
 from transformer.data import Data
+from transformer.loss import cross_entropy as cross_entropy  # its old home: callers import it from here
 from transformer.model import Transformer
 from transformer.optim import make_optimizer, schedule
 
@@ -30,17 +31,6 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: the number of updates applied
     params: dict
     opt_state: optax.OptState
-
-
-def cross_entropy(logits_BxTxV, targets_BxT, weights_BxT, z_loss: float):
-    """(objective sum, nll sum, weight sum): float32 cross-entropy summed over real target tokens,
-    plus z_loss * log(Z)^2 (PaLM), which keeps the softmax normaliser near 1."""
-    logits = logits_BxTxV.astype(jnp.float32)
-    log_z_BxT = jax.nn.logsumexp(logits, axis=-1)
-    target_logit_BxT = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
-    nll_sum = jnp.sum((log_z_BxT - target_logit_BxT) * weights_BxT)
-    z_sum = jnp.sum(jnp.square(log_z_BxT) * weights_BxT)
-    return nll_sum + z_loss * z_sum, nll_sum, jnp.sum(weights_BxT)
 
 
 def _per_layer_norm(tree) -> jax.Array:
@@ -108,6 +98,7 @@ class Trainer:
     """Builds the jitted steps for one config on one mesh."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+        cfg = accelerator.resolve(cfg)  # attention_impl: auto -> this backend's pick
         self.cfg = cfg
         self.mesh = mesh
         self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
@@ -139,9 +130,11 @@ class Trainer:
 
     def _loss(self, params, batch, key):
         model = nnx.merge(self.graphdef, params)
-        logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), key=key)
+        x_BxTxD = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), key=key)
         weights = batch.get("weights", jnp.ones(batch["targets"].shape, jnp.float32))
-        objective, nll_sum, count = cross_entropy(logits, batch["targets"], weights, self.cfg.train.z_loss)
+        objective, nll_sum, count = loss.objective(
+            x_BxTxD, model.logits, batch["targets"], weights, self.cfg.train.z_loss, self.cfg.loss_chunk
+        )
         return objective, (nll_sum, count)
 
     def _train_step(self, state: TrainState, batch: dict, controls: dict) -> tuple[TrainState, dict]:

@@ -280,7 +280,18 @@ class Transformer(nnx.Module):
         segment_ids_BxT: jax.Array | None = None,
         key: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits [B, T, V] for every position (teacher forcing).
+        """Logits [B, T, V] for every position (teacher forcing); see `hidden` for the arguments."""
+        return self.logits(self.hidden(tokens_BxT, positions_BxT, segment_ids_BxT, key))
+
+    def hidden(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        segment_ids_BxT: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        """The last hidden states [B, T, D], before the output projection (a chunked loss projects
+        them a few positions at a time: `transformer/loss.py`).
 
         positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
         segment_ids_BxT: document ids, attention never crosses a change of id;
@@ -293,4 +304,4 @@ class Transformer(nnx.Module):
             embed_key, block_key = jax.random.split(key)
         x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
         x_BxTxD, _ = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key)
-        return self.logits(x_BxTxD)
+        return x_BxTxD

@@ -1,0 +1,169 @@
+"""One cell of the GPU table: training throughput, MFU and peak memory of one model with one
+attention implementation; `--table` turns the cells `benchmarks/gpu.sh` collected into Markdown.
+
+    python benchmarks/gpu.py --model gpt2-124m --attention cudnn [--steps 10] [--tiny]   # one JSON line
+    python benchmarks/gpu.py --table results.jsonl                                         # the table
+
+Models at T=2048, bf16 compute with float32 parameters and AdamW state, random tokens (this measures
+the step, not the data pipeline). The step is planned first (`transformer/preflight.py`): a model
+whose step does not fit is retried with `model.remat=full`, and the table says which ran. MFU is
+against the device's datasheet bf16 dense peak (`transformer/metrics.py`), with the model summary's
+FLOPs per token. Peak memory is the device allocator's high-water mark (`memory_stats`), which is why
+each cell runs in its own process. `--tiny` shrinks every model to a few thousand parameters so that
+the script itself can be checked on a CPU; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformer import accelerator, preflight, sharding
+from transformer.config import ConfigError
+from transformer.config_loader import load_config
+from transformer.metrics import device_peak_flops
+from transformer.model.summary import count_params, flops_per_token
+from transformer.trainer import Trainer, default_controls
+
+COMMON = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.seq_len=2048", "optim.name=adamw"]
+MODELS = {  # GPT-2 small / medium (learned positions, LayerNorm, GELU, tied) and a Llama-3.2-1B shape
+    "gpt2-124m": [
+        "model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.n_kv_heads=12",
+        "model.position=learned", "model.norm=layernorm", "model.ffn=gelu", "model.use_bias=true",
+        "model.tie_embeddings=true", "data.tokenizer=bpe", "data.vocab_size=50257", "train.batch_size=16",
+    ],
+    "gpt2-350m": [
+        "model.d_model=1024", "model.n_layers=24", "model.n_heads=16", "model.n_kv_heads=16",
+        "model.position=learned", "model.norm=layernorm", "model.ffn=gelu", "model.use_bias=true",
+        "model.tie_embeddings=true", "data.tokenizer=bpe", "data.vocab_size=50257", "train.batch_size=8",
+    ],
+    "llama-1b": [
+        "model.d_model=2048", "model.n_layers=16", "model.n_heads=32", "model.n_kv_heads=8",
+        "model.d_ff=8192", "model.position=rope", "model.rope_theta=500000", "model.norm=rmsnorm",
+        "model.ffn=swiglu", "model.tie_embeddings=true", "data.tokenizer=bpe", "data.vocab_size=128256",
+        "train.batch_size=4",
+    ],
+}  # fmt: skip
+TINY = [  # the same code paths, small enough for a CPU
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=4", "model.d_ff=null",
+    "data.seq_len=64", "data.vocab_size=512", "train.batch_size=2",
+]  # fmt: skip
+
+
+def config(model: str, attention: str, tiny: bool, remat: str | None = None):
+    overrides = [*COMMON, *MODELS[model], f"model.attention_impl={attention}", *(TINY if tiny else [])]
+    if remat is not None:
+        overrides.append(f"model.remat={remat}")
+    cfg = load_config(None, overrides)
+    return cfg.with_vocab(preflight.vocab_size(cfg))
+
+
+def fitting_config(model: str, attention: str, tiny: bool):
+    """(config, plan): as given, else with full rematerialisation if that is what fits."""
+    target = preflight.local_target()
+    cfg = config(model, attention, tiny)
+    plan = preflight.plan(cfg, target)
+    if not plan.fits:
+        cfg = config(model, attention, tiny, remat="full")
+        plan = preflight.plan(cfg, target)
+    return cfg, plan
+
+
+def time_steps(cfg, steps: int) -> list[float]:
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
+    rng = np.random.default_rng(0)
+    B, T = cfg.train.batch_size, cfg.data.seq_len
+    rows = rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
+    batch = trainer.put_batch({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, B)
+    state = trainer.init(jax.random.key(0))
+    for _ in range(2):  # compile, then one more warm step
+        state, metrics = trainer.train_step(state, batch, default_controls())
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = trainer.train_step(state, batch, default_controls())
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(model: str, attention: str, steps: int, tiny: bool) -> dict:
+    device = jax.devices()[0]
+    row: dict = {"model": model, "attention": attention, "device": device.device_kind, "jax": jax.__version__}
+    try:
+        cfg, plan = fitting_config(model, attention, tiny)
+        sharding.check_attention_support(cfg.model)
+    except (ConfigError, preflight.OutOfMemory) as e:
+        return {**row, "error": str(e)}
+    times = time_steps(cfg, steps)
+    step = statistics.median(times)
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    peak, source = device_peak_flops(device)
+    flops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens / step
+    stats = device.memory_stats() or {}
+    return {
+        **row,
+        "params": count_params(cfg.model),
+        "batch": f"{cfg.train.batch_size}x{cfg.data.seq_len}",
+        "remat": cfg.model.remat,
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "mfu": flops / (peak * jax.device_count()),
+        "peak_source": source,
+        "peak_memory": stats.get("peak_bytes_in_use"),
+        "planned_memory": plan.total,
+        "compile_s": plan.compile_s,
+        "tiny": tiny,
+    }
+
+
+def table(path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = [
+        "| model | attention | params | batch | remat | tokens/s | MFU | peak memory | planned | device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(
+                f"| {r['model']} | {r['attention']} | | | | not run: {r['error']} | | | | {r.get('device', '')} |"
+            )
+            continue
+        peak = sharding.human_bytes(r["peak_memory"]) if r.get("peak_memory") else "n/a"
+        out.append(
+            f"| {r['model']}{' (tiny)' if r.get('tiny') else ''} | {r['attention']} | {r['params'] / 1e6:.1f}M | "
+            f"{r['batch']} | {r['remat']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {peak} | "
+            f"{sharding.human_bytes(r['planned_memory'])} | {r['device']} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS))
+    p.add_argument("--attention", choices=["xla", "cudnn"], default="xla")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--tiny", action="store_true", help="tiny models, to check the script on a CPU")
+    p.add_argument("--table", type=Path, default=None, help="print the Markdown table of a results.jsonl")
+    args = p.parse_args()
+    accelerator.apply_xla_gpu_flags()  # as train.py does, before JAX starts its backend
+    if args.table is not None:
+        print(table(args.table))
+        return
+    if args.model is None:
+        p.error("give --model (or --table)")
+    print(json.dumps(measure(args.model, args.attention, args.steps, args.tiny)))
+
+
+if __name__ == "__main__":
+    main()

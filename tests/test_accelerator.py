@@ -1,0 +1,72 @@
+"""`model.attention_impl: auto` and the GPU flags: the decision on fake platforms, the CPU fallback."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_run_overrides, write_corpus
+
+from transformer import accelerator, sharding
+from transformer.config import Config, DataConfig, ModelConfig
+from transformer.config_loader import load_config
+from transformer.data import prepare
+from transformer.loop import train
+
+
+def _cfg(document_mask=False, **model) -> Config:
+    m = dict(d_model=64, n_heads=4, n_kv_heads=4, dtype="bfloat16", attention_impl="auto") | model
+    return Config(model=ModelConfig(**m), data=DataConfig(seq_len=32, document_mask=document_mask))
+
+
+@pytest.mark.parametrize(
+    ("platform", "cfg", "impl", "why"),
+    [
+        ("gpu", _cfg(), "cudnn", "causal mask"),
+        ("gpu", _cfg(window=8), "cudnn", "sliding window 8"),
+        ("cpu", _cfg(), "xla", "this is cpu"),
+        ("tpu", _cfg(), "xla", "this is tpu"),
+        ("gpu", _cfg(dtype="float32"), "xla", "model.dtype"),
+        ("gpu", _cfg(head_dim=160), "xla", "head_dim"),
+        ("gpu", _cfg(position="alibi"), "xla", "ALiBi"),
+        ("gpu", _cfg(document_mask=True), "xla", "document masks"),
+        ("gpu", _cfg(window=8, attention_pattern=("local", "global")), "xla", "per-layer windows"),
+        ("gpu", _cfg(attn_softcap=30.0), "einsum", "attn_softcap"),
+    ],
+)
+def test_auto_picks_cudnn_only_where_its_masks_and_shapes_allow(platform, cfg, impl, why):
+    picked, reason = accelerator.choose_attention(cfg, platform)
+    assert (picked, why in reason) == (impl, True), reason
+    assert accelerator.resolve(cfg, platform).model.attention_impl == impl
+    fixed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
+    assert accelerator.resolve(fixed, platform) is fixed
+
+
+def test_auto_falls_back_on_cpu_and_says_so(tmp_path):
+    """On CPU auto trains exactly as xla does (it is xla), passes the platform check cudnn fails,
+    and the start-up line names the pick."""
+    corpus = write_corpus(tmp_path / "docs.jsonl", seed=0, n=40)
+    base = tiny_run_overrides(corpus, tmp_path / "cache", "model.n_layers=1", "train.steps=2", "model.n_kv_heads=4")
+    runs = {}
+    for impl in ("auto", "xla"):
+        cfg = load_config(None, [*base, f"model.attention_impl={impl}"])
+        sharding.check_platform(cfg)
+        data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
+        cfg = cfg.with_vocab(data.vocab_size)
+        lines: list[str] = []
+        result = train(cfg, data, None, sharding.make_mesh(cfg, jax.devices()[:1]), log=lines.append)
+        runs[impl] = (result, lines)
+    assert any("attention xla (auto: cuDNN attention needs a GPU, this is cpu)" in line for line in runs["auto"][1])
+    for a, b in zip(jax.tree.leaves(runs["auto"][0].params), jax.tree.leaves(runs["xla"][0].params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gpu_flags_only_where_a_gpu_will_be_used(monkeypatch):
+    assert accelerator.apply_xla_gpu_flags({}) == [] or accelerator.gpu_available({})  # no CUDA plugin here
+    monkeypatch.setattr(accelerator.importlib.util, "find_spec", lambda name: object())  # pretend one
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+    added = accelerator.apply_xla_gpu_flags(env)
+    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in env["XLA_FLAGS"]  # the user's setting wins
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in env["XLA_FLAGS"]
+    assert added and all(flag in env["XLA_FLAGS"] for flag in added)
+    assert accelerator.apply_xla_gpu_flags({"JAX_PLATFORMS": "cpu"}) == []

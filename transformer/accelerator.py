@@ -1,0 +1,93 @@
+"""Choices that depend on the accelerator, made in one place: which attention implementation
+`model.attention_impl: auto` runs, and the XLA flags a GPU run gets.
+
+The config a run saves keeps `auto` (it means the same thing on every machine); the model is built
+from `resolve(cfg)`, and the run's start-up line says which implementation was picked and why.
+
+Compute dtype: `model.dtype` stays `float32` unless a config asks for `bfloat16` (parameters and
+optimiser state stay `param_dtype`, float32 by default: bf16 compute with f32 master weights). It is
+not made platform-dependent, so that one config trains the same numbers on a laptop and on a GPU;
+the GPU benchmark and presets set `model.dtype=bfloat16` explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+from transformer.config import Config
+
+# XLA flags for GPU runs (JAX-Toolbox's image default, MaxText's GPU configs): overlap collectives
+# with compute (the latency-hiding scheduler, pipelined FSDP all-gathers / reduce-scatters and data
+# parallel all-reduces), and double-buffer the layer scan's while loop so the next layer's weights
+# are fetched while this one computes. Flags the user already set in XLA_FLAGS win.
+XLA_GPU_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+def gpu_available(environ=os.environ) -> bool:
+    """Will JAX use a GPU? Known without starting a backend (XLA_FLAGS must be set before that):
+    a CUDA plugin is installed and JAX_PLATFORMS, if set, allows it."""
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    return any(importlib.util.find_spec(name) is not None for name in CUDA_PLUGINS)
+
+
+def apply_xla_gpu_flags(environ=os.environ) -> list[str]:
+    """Add XLA_GPU_FLAGS to XLA_FLAGS when a GPU will be used (before JAX starts); the ones added."""
+    if not gpu_available(environ):
+        return []
+    current = environ.get("XLA_FLAGS", "")
+    added = [f for f in XLA_GPU_FLAGS if f.split("=")[0] not in current]
+    if added:
+        environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    return added
+
+
+def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
+    """(implementation, why) that `model.attention_impl: auto` runs on `platform` (jax's backend
+    name: cpu, gpu, tpu): cuDNN's fused flash attention where its masks and shapes allow, else XLA's
+    (einsum where only it has the feature asked for)."""
+    m = cfg.model
+    if m.attn_softcap or m.attn_dropout:
+        return "einsum", "attn_softcap and attn_dropout need the einsum implementation"
+    reasons = [
+        (platform != "gpu", f"cuDNN attention needs a GPU, this is {platform}"),
+        (m.dtype == "float32", "cuDNN attention needs bfloat16 or float16 compute (model.dtype)"),
+        (
+            m.head_dim % 8 != 0 or m.head_dim > 128,
+            f"cuDNN flash attention needs head_dim <= 128, a multiple of 8, not {m.head_dim}",
+        ),
+        (m.position == "alibi", "ALiBi adds a bias the cuDNN path is not used with here"),
+        (cfg.data.document_mask, "document masks are explicit masks, not cuDNN's causal/window mask"),
+        (
+            m.attention_pattern is not None and m.scan_layers,
+            "per-layer windows inside the layer scan are traced, an explicit mask",
+        ),
+    ]
+    for refused, why in reasons:
+        if refused:
+            return "xla", why
+    window = f", sliding window {m.window}" if m.window else ""
+    return "cudnn", f"GPU, {m.dtype}, causal mask{window}"
+
+
+def resolve(cfg: Config, platform: str | None = None) -> Config:
+    """`cfg` with `model.attention_impl: auto` replaced by `choose_attention`'s pick for `platform`
+    (default: JAX's backend); any other config as it is."""
+    if cfg.model.attention_impl != "auto":
+        return cfg
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    impl, _ = choose_attention(cfg, platform)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))  # type: ignore[arg-type]
