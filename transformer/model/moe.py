@@ -37,8 +37,9 @@ from flax import nnx
 from transformer.config import ModelConfig
 from transformer.model.layers import ACTIVATIONS, FFN, InitScales, normal_param
 
-# Scalars every MoE layer sows on every forward pass, and how the trainer reduces them over the MoE
-# layers to log each step (the busiest expert of any layer: a collapse anywhere shows).
+# Step metrics, and how each reduces over the MoE layers the per-layer value `layer_<name>` every MoE
+# layer sows on every forward pass (the busiest expert of any layer: a collapse anywhere shows). The
+# per-layer values keep their own names, as the stability statistics log them beside the step's.
 STEP_METRICS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "moe_aux_loss": jnp.mean,
     "router_z_loss": jnp.mean,
@@ -164,8 +165,8 @@ class MoE(nnx.Module):
         return jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, r.gate_BxTxK.astype(dtype))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        """The FFN output. Sows the routing losses and statistics (STEP_METRICS, each expert's load,
-        the router's entropy): a few scalars, cheap beside the experts."""
+        """The FFN output. Sows the routing losses and statistics (`layer_` + each of STEP_METRICS,
+        each expert's load, the router's entropy): a few scalars, cheap beside the experts."""
         cfg = self.cfg
         r = self.route(x_BxTxD)
         if cfg.capacity_factor is None:
@@ -177,7 +178,8 @@ class MoE(nnx.Module):
             y_BxTxD = y_BxTxD + self.shared(x_BxTxD)
         load = load_stats(r, cfg.n_experts)
         load_max = jnp.max(jnp.stack([load[f"expert_load_{e}"] for e in range(cfg.n_experts)]))
-        stats = {**routing_losses(r, cfg.n_experts), "dropped_fraction": dropped, "expert_load_max": load_max, **load}
+        stats = {**routing_losses(r, cfg.n_experts), "dropped_fraction": dropped, "expert_load_max": load_max}
+        stats = {f"layer_{k}": v for k, v in stats.items()} | load
         for name, value in stats.items():
             self.sow(nnx.Intermediate, name, value)
         return y_BxTxD

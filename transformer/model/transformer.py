@@ -374,7 +374,7 @@ class Transformer(nnx.Module):
         key: jax.Array | None = None,
     ) -> tuple[jax.Array, Stats]:
         """(logits [B, T, V] for every position (teacher forcing), the routing terms of the MoE
-        layers, each `moe.STEP_METRICS` averaged over them; {} for a dense model).
+        layers, each of `moe.STEP_METRICS` reduced over them; {} for a dense model).
 
         positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
         segment_ids_BxT: document ids, attention never crosses a change of id;
@@ -387,4 +387,6 @@ class Transformer(nnx.Module):
             embed_key, block_key = jax.random.split(key)
         x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
         x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key)
-        return self.logits(x_BxTxD), {k: over(stats[k]) for k, over in STEP_METRICS.items() if k in stats}
+        return self.logits(x_BxTxD), {
+            k: over(stats[f"layer_{k}"]) for k, over in STEP_METRICS.items() if f"layer_{k}" in stats
+        }
