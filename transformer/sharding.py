@@ -177,7 +177,9 @@ def training_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[str, i
     materialises whole: one layer's attention scores (not with cudnn, which never forms them) and
     the float32 logits."""
     m, train = cfg.model, cfg.train
-    param_bytes = count_params(m) * jnp.dtype(m.param_dtype).itemsize // (sizes["fsdp"] * sizes["tensor"])
+    # dividing by the expert axis too keeps it a lower bound: only the experts are split over it
+    shards = sizes["fsdp"] * sizes["tensor"] * sizes["expert"]
+    param_bytes = count_params(m) * jnp.dtype(m.param_dtype).itemsize // shards
     copies = 2 + (OPTIMIZER_COPIES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.b1 else 0)
     rows = max(1, train.batch_size // train.grad_accum // (sizes["data"] * sizes["fsdp"]))
     T = cfg.data.seq_len
