@@ -4,13 +4,16 @@ parameter counts against the real tree. Identical losses on meshes with an exper
 test_trainer.py's mesh test (its model interleaves a dense and a MoE layer)."""
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_bitwise_equal, build, final_params, logged, tiny, tiny_run_overrides, write_corpus
+from conftest import ROOT, assert_bitwise_equal, build, final_params, logged, tiny, tiny_run_overrides, write_corpus
 from flax import nnx
 
 from transformer.config import ConfigError, MonitorConfig
@@ -261,3 +264,21 @@ def test_router_collapse_is_reported_when_it_happens_and_again_after_recovery():
     restored = Monitor(MonitorConfig(), monitor.state())  # a resumed run does not report it again
     assert not restored.router_collapse(0.99, n_experts=4, top_k=1)
     assert not Monitor(MonitorConfig()).router_collapse(1.0, n_experts=2, top_k=2)  # every expert sees every token
+
+
+@pytest.mark.slow
+def test_cli_refuses_impossible_experts_in_one_line_with_exit_2():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    argv = [sys.executable, "train.py", "model.n_experts=2", "model.top_k=3", "--dry-run"]
+    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.top_k" in lines[0]
+
+
+def test_dropless_moe_decodes_from_the_cache_as_the_full_forward():
+    """Dropless routing is per token, so prefill and one-token steps equal the full forward (with a
+    capacity they need not: drops depend on the other tokens of the row)."""
+    from test_generate import check_cached_equals_full
+
+    check_cached_equals_full(moe_cfg(capacity_factor=None, moe_every=2, n_layers=4, n_shared_experts=1))

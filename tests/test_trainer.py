@@ -199,7 +199,7 @@ def test_cross_entropy_and_z_loss_by_hand():
 @pytest.mark.parametrize(
     "overrides, devices, fragment",
     [
-        (["mesh.data=3"], 8, "mesh: data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"),
+        (["mesh.data=3"], 8, "mesh: data=3 x fsdp=1 x tensor=1 x expert=1 = 3 devices, but 8 are available"),
         (["mesh.data=3", "mesh.fsdp=-1"], 8, "mesh.fsdp: cannot fill: 8 devices are not divisible by 3"),
         (["mesh.data=1", "mesh.tensor=8"], 8, "mesh.tensor: 8 does not divide model.n_heads = 4"),
         (["model.n_heads=8", "model.n_kv_heads=2", "mesh.data=2", "mesh.tensor=4"], 8, "model.n_kv_heads = 2"),
@@ -233,7 +233,7 @@ def test_invalid_mesh_exits_2_from_the_cli(tmp_path):
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "train.py: error: config: mesh: data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"
+        "train.py: error: config: mesh: data=3 x fsdp=1 x tensor=1 x expert=1 = 3 devices, but 8 are available"
     ]
     assert not (tmp_path / "run").exists()
 

@@ -2,8 +2,8 @@
 on the `experts` logical axis), optional shared experts every token goes through, and the routing
 losses.
 
-Axis legend, beside layers.py's: E experts, K experts per token (top_k), C slots per expert in a row
-(capacity), M token-expert assignments (B*T*K, sorted by expert).
+Axis legend, beside layers.py's: E experts, K experts per token (top_k), X slots per expert in a row
+(its capacity), M rows an expert computes (capacity slots of all rows, or assignments sorted by expert).
 
 Routing (`MoE.route`): `softmax` takes the top-k of softmax(logits); `sigmoid` (DeepSeek-V3) the top-k
 of sigmoid(logits). With top_k > 1 the k gates are renormalised to sum to 1; with top-1 the gate is
@@ -12,10 +12,10 @@ only from the balancing loss.
 
 Dispatch, decided in `MoE.__call__`:
 - capacity (`capacity_factor` set): each row (sequence) is a group; an expert takes at most
-  C = ceil(factor * T * K / E) of the row's assignments, first choices before second choices, in
-  token order (GShard/Switch). An assignment beyond C is dropped: it adds nothing, so a token whose
+  X = ceil(factor * T * K / E) of the row's assignments, first choices before second choices, in
+  token order (GShard/Switch). An assignment beyond X is dropped: it adds nothing, so a token whose
   every assignment is dropped passes through on the residual stream. Dense einsums over one-hot
-  dispatch and combine tensors (B x T x E x C), which shard like everything else.
+  dispatch and combine tensors (B x T x E x X), which shard like everything else.
 - dropless (`capacity_factor: null`): every assignment is computed. The B*T*K assignments are
   sorted by expert and multiplied with `jax.lax.ragged_dot`, which takes one group per expert.
 
@@ -61,20 +61,19 @@ def capacity(cfg: ModelConfig, T: int) -> int:
     return min(T, math.ceil(cfg.capacity_factor * T * cfg.top_k / cfg.n_experts))
 
 
-def capacity_dispatch(expert_BxTxK: jax.Array, gate_BxTxK: jax.Array, E: int, C: int):
-    """(dispatch, combine) [B, T, E, C] and the kept mask [B, T, K]: assignment (t, k) takes slot c of
-    its expert when fewer than C assignments are ahead of it (all first choices before any second)."""
+def capacity_dispatch(expert_BxTxK: jax.Array, gate_BxTxK: jax.Array, E: int, X: int):
+    """(dispatch, combine) [B, T, E, X] and the kept mask [B, T, K]: assignment (t, k) takes slot x of
+    its expert when x < X assignments are ahead of it (every first choice before any second)."""
     B, T, K = expert_BxTxK.shape
     onehot_BxKxTxE = jax.nn.one_hot(expert_BxTxK.swapaxes(1, 2), E, dtype=jnp.int32)
     ahead = jnp.cumsum(onehot_BxKxTxE.reshape(B, K * T, E), axis=1).reshape(B, K, T, E) - onehot_BxKxTxE
     position_BxKxT = jnp.sum(ahead * onehot_BxKxTxE, axis=-1)
-    kept_BxKxT = position_BxKxT < C
-    slot_BxKxTxExC = (onehot_BxKxTxE * kept_BxKxT[..., None])[..., None] * jax.nn.one_hot(position_BxKxT, C)[
-        :, :, :, None
-    ]
-    dispatch_BxTxExC = jnp.sum(slot_BxKxTxExC, axis=1)
-    combine_BxTxExC = jnp.einsum("BKTEC,BTK->BTEC", slot_BxKxTxExC, gate_BxTxK)
-    return dispatch_BxTxExC, combine_BxTxExC, kept_BxKxT.swapaxes(1, 2)
+    kept_BxKxT = position_BxKxT < X
+    kept_BxKxTxE = onehot_BxKxTxE * kept_BxKxT[..., None]
+    slot_BxKxTxExX = kept_BxKxTxE[..., None] * jax.nn.one_hot(position_BxKxT, X)[:, :, :, None, :]
+    dispatch_BxTxExX = jnp.sum(slot_BxKxTxExX, axis=1)
+    combine_BxTxExX = jnp.einsum("BKTEX,BTK->BTEX", slot_BxKxTxExX, gate_BxTxK)
+    return dispatch_BxTxExX, combine_BxTxExX, kept_BxKxT.swapaxes(1, 2)
 
 
 def routing_losses(r: Routing, E: int) -> dict[str, jax.Array]:
@@ -139,13 +138,13 @@ class MoE(nnx.Module):
     def with_capacity(self, x_BxTxD: jax.Array, r: Routing) -> tuple[jax.Array, jax.Array]:
         """(output, kept mask [B, T, K]) with at most `capacity` assignments per expert and row."""
         B, T, D = x_BxTxD.shape
-        E, C = self.cfg.n_experts, capacity(self.cfg, T)
-        dispatch_BxTxExC, combine_BxTxExC, kept_BxTxK = capacity_dispatch(r.expert_BxTxK, r.gate_BxTxK, E, C)
+        E, X = self.cfg.n_experts, capacity(self.cfg, T)
+        dispatch_BxTxExX, combine_BxTxExX, kept_BxTxK = capacity_dispatch(r.expert_BxTxK, r.gate_BxTxK, E, X)
         dtype = x_BxTxD.dtype
-        x_BxExCxD = jnp.einsum("BTEC,BTD->BECD", dispatch_BxTxExC.astype(dtype), x_BxTxD)
-        x_ExMxD = x_BxExCxD.swapaxes(0, 1).reshape(E, B * C, D)
-        y_BxExCxD = self.experts(x_ExMxD).reshape(E, B, C, D).swapaxes(0, 1)
-        return jnp.einsum("BTEC,BECD->BTD", combine_BxTxExC.astype(dtype), y_BxExCxD), kept_BxTxK
+        x_BxExXxD = jnp.einsum("BTEX,BTD->BEXD", dispatch_BxTxExX.astype(dtype), x_BxTxD)
+        x_ExMxD = x_BxExXxD.swapaxes(0, 1).reshape(E, B * X, D)
+        y_BxExXxD = self.experts(x_ExMxD).reshape(E, B, X, D).swapaxes(0, 1)
+        return jnp.einsum("BTEX,BEXD->BTD", combine_BxTxExX.astype(dtype), y_BxExXxD), kept_BxTxK
 
     def dropless(self, x_BxTxD: jax.Array, r: Routing) -> jax.Array:
         """Every assignment computed: assignments sorted by expert, one ragged matmul group each."""
