@@ -190,6 +190,9 @@ def test_mixed_layers_scanned_equal_unrolled():
     sa, sb = model.stability_stats(tokens), unrolled.stability_stats(tokens)
     for k in sa:
         np.testing.assert_allclose(sa[k], sb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    positions = jnp.broadcast_to(jnp.arange(T), tokens.shape)
+    _, training = model.run_blocks(model.embed_tokens(tokens, positions), positions)
+    assert "layer_moe_aux_loss" in training and "attn_entropy" not in training  # no statistics pass per step
     assert sa["residual_rms"].shape == (4,) and sa["router_entropy"].shape == sa["layer_moe_aux_loss"].shape == (2,)
 
 

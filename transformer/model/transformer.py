@@ -124,7 +124,7 @@ def _block_forward(
     if not (collect or isinstance(block.ffn, MoE)):
         return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key)[0], {}
     forward = nnx.capture(
-        lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=True)[0], nnx.Intermediate
+        lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=collect)[0], nnx.Intermediate
     )
     x_BxTxD, sown = forward(block)
     # each sown value is a one-element tuple
