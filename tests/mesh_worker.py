@@ -49,18 +49,15 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
         losses = []
         train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda step, m, out=losses: out.append(m["loss"]))
         specs = Trainer(cfg, mesh).state_shardings.params
-        results.append(
-            {
-                "mesh": dict(mesh.shape),
-                "losses": losses,
-                "specs": {
-                    "qkv": str(specs["blocks"]["attn"]["qkv"].spec),
-                    "out": str(specs["blocks"]["attn"]["out"].spec),
-                    "w_in": str(specs["blocks"]["ffn"]["w_in"].spec),
-                    "embed": str(specs["embed"].spec),
-                },
-            }
-        )
+        named = {
+            "qkv": str(specs["blocks"]["attn"]["qkv"].spec),
+            "out": str(specs["blocks"]["attn"]["out"].spec),
+            "w_in": str(specs["blocks"]["ffn"]["w_in"].spec),
+            "embed": str(specs["embed"].spec),
+        }
+        if "moe_blocks" in specs:  # a config with interleaved mixture-of-experts layers
+            named["experts"] = str(specs["moe_blocks"]["ffn"]["w_in"].spec)
+        results.append({"mesh": dict(mesh.shape), "losses": losses, "specs": named})
     print(json.dumps(results))
 
 

@@ -29,6 +29,7 @@ def _cfg(document_mask=False, **model) -> Config:
         ("gpu", _cfg(dtype="float32"), "xla", "model.dtype"),
         ("gpu", _cfg(head_dim=160), "xla", "head_dim"),
         ("gpu", _cfg(position="alibi"), "xla", "ALiBi"),
+        ("gpu", _cfg(position="rope", attention="mla"), "xla", "MLA"),
         ("gpu", _cfg(document_mask=True), "xla", "document masks"),
         ("gpu", _cfg(window=8, attention_pattern=("local", "global")), "xla", "per-layer windows"),
         ("gpu", _cfg(attn_softcap=30.0), "einsum", "attn_softcap"),

@@ -31,7 +31,7 @@ def _loss_and_grad(model, chunk, z_loss):
 
     def f(params):
         m = nnx.merge(graphdef, params)
-        obj, nll, count = objective(m.hidden(inputs), m.logits, targets, weights, z_loss, chunk)
+        obj, nll, count = objective(m.forward(inputs)[0], m.logits, targets, weights, z_loss, chunk)
         return obj / count, (nll, count)
 
     return jax.value_and_grad(f, has_aux=True)(params)
@@ -80,7 +80,7 @@ def test_chunked_never_forms_the_whole_logits():
         def f(params):
             mm = nnx.merge(graphdef, params)
             logits = lambda h: jnp.concatenate([mm.logits(h), jnp.broadcast_to(big, h.shape[:-1] + big.shape[1:])], -1)
-            return objective(mm.hidden(inputs), logits, targets, weights, 0.0, chunk)[0]
+            return objective(mm.forward(inputs)[0], logits, targets, weights, 0.0, chunk)[0]
 
         return jax.jit(jax.grad(f)).lower(params).compile().memory_analysis().temp_size_in_bytes
 

@@ -52,10 +52,16 @@ def test_losses_identical_across_meshes(corpus, tmp_path):
         {"devices": 8, "data": 1, "fsdp": 8},
         {"devices": 8, "data": 2, "fsdp": 2, "tensor": 2},
         {"devices": 8, "data": 2, "tensor": 4},
+        {"devices": 8, "data": 1, "fsdp": 2, "tensor": 2, "expert": 2},
+        {"devices": 8, "data": 2, "expert": 4},
     ]
+    # layer 0 dense, layer 1 a mixture of experts (both stacks, and the group scan, on every mesh)
+    config = tmp_path / "moe.yaml"
+    config.write_text("model:\n  n_experts: 4\n  top_k: 2\n  moe_d_ff: 32\n  moe_every: 2\n")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    worker = [str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes), str(config)]
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes)],
+        [sys.executable, *worker],
         env=env,
         capture_output=True,
         text=True,
@@ -68,14 +74,16 @@ def test_losses_identical_across_meshes(corpus, tmp_path):
     assert len(reference) == 20
     for r in results[1:]:
         np.testing.assert_allclose(r["losses"], reference, rtol=1e-5, err_msg=str(r["mesh"]))
-    by_mesh = {tuple(r["mesh"].values()): r["specs"] for r in results}
-    assert by_mesh[(1, 8, 1)]["embed"] == "P(None, 'fsdp')"
-    assert by_mesh[(1, 8, 1)]["qkv"] == "P(None, 'fsdp', None, None, None)"
-    assert by_mesh[(2, 2, 2)]["qkv"] == "P(None, 'fsdp', 'tensor', None, None)"
-    assert by_mesh[(2, 2, 2)]["out"] == "P(None, 'tensor', None, 'fsdp')"
-    assert by_mesh[(2, 1, 4)]["w_in"] == "P(None, None, None, 'tensor')"
-    assert by_mesh[(2, 1, 4)]["embed"] == "P('tensor', None)"
-    assert by_mesh[(8, 1, 1)]["qkv"] == "P(None, None, None, None, None)"
+    by_mesh = {tuple(r["mesh"].values()): r["specs"] for r in results}  # (data, fsdp, tensor, expert)
+    assert by_mesh[(1, 8, 1, 1)]["embed"] == "P(None, 'fsdp')"
+    assert by_mesh[(1, 8, 1, 1)]["qkv"] == "P(None, 'fsdp', None, None, None)"
+    assert by_mesh[(2, 2, 2, 1)]["qkv"] == "P(None, 'fsdp', 'tensor', None, None)"
+    assert by_mesh[(2, 2, 2, 1)]["out"] == "P(None, 'tensor', None, 'fsdp')"
+    assert by_mesh[(2, 1, 4, 1)]["w_in"] == "P(None, None, None, 'tensor')"
+    assert by_mesh[(2, 1, 4, 1)]["embed"] == "P('tensor', None)"
+    assert by_mesh[(8, 1, 1, 1)]["qkv"] == "P(None, None, None, None, None)"
+    assert by_mesh[(2, 1, 1, 4)]["experts"] == "P(None, 'expert', None, None, None)"
+    assert by_mesh[(1, 2, 2, 2)]["experts"] == "P(None, 'expert', 'fsdp', None, 'tensor')"
 
 
 @pytest.mark.slow
@@ -191,7 +199,7 @@ def test_cross_entropy_and_z_loss_by_hand():
 @pytest.mark.parametrize(
     "overrides, devices, fragment",
     [
-        (["mesh.data=3"], 8, "mesh: data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"),
+        (["mesh.data=3"], 8, "mesh: data=3 x fsdp=1 x tensor=1 x expert=1 = 3 devices, but 8 are available"),
         (["mesh.data=3", "mesh.fsdp=-1"], 8, "mesh.fsdp: cannot fill: 8 devices are not divisible by 3"),
         (["mesh.data=1", "mesh.tensor=8"], 8, "mesh.tensor: 8 does not divide model.n_heads = 4"),
         (["model.n_heads=8", "model.n_kv_heads=2", "mesh.data=2", "mesh.tensor=4"], 8, "model.n_kv_heads = 2"),
@@ -225,7 +233,7 @@ def test_invalid_mesh_exits_2_from_the_cli(tmp_path):
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "train.py: error: config: mesh: data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"
+        "train.py: error: config: mesh: data=3 x fsdp=1 x tensor=1 x expert=1 = 3 devices, but 8 are available"
     ]
     assert not (tmp_path / "run").exists()
 

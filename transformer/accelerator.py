@@ -67,6 +67,7 @@ def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
             f"cuDNN flash attention needs head_dim <= 128, a multiple of 8, not {m.head_dim}",
         ),
         (m.position == "alibi", "ALiBi adds a bias the cuDNN path is not used with here"),
+        (m.attention == "mla", "MLA's keys and values differ in width, which the cuDNN path is not used with here"),
         (cfg.data.document_mask, "document masks are explicit masks, not cuDNN's causal/window mask"),
         (
             m.attention_pattern is not None and m.scan_layers,

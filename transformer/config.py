@@ -41,6 +41,7 @@ MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_di
 LayerKind = Literal["local", "global"]
 Remat = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
+Router = Literal["softmax", "sigmoid"]
 BUILTINS = ("stdlib", "recall")  # builtin:stdlib, the Python sources; builtin:recall[:opts], see synthetic.py
 
 
@@ -144,6 +145,16 @@ class ModelConfig:
     # a Hugging Face model directory: the architecture keys come from its config.json, the first
     # parameters from its weights (transformer/hf.py)
     init_from: str | None = None
+    # --- mixture of experts (model/moe.py); n_experts 0: a dense FFN in every layer ---
+    n_experts: int = 0
+    top_k: int = 1  # experts each token is routed to
+    n_shared_experts: int = 0  # experts every token goes through, beside the routed ones (DeepSeek)
+    moe_d_ff: DerivedInt = None  # type: ignore[assignment]  # each expert's width; None: d_ff
+    moe_every: int = 1  # layers k-1, 2k-1, ... are MoE, the others dense (n_layers a multiple of k)
+    router: Router = "softmax"  # softmax then top-k, or sigmoid scores (DeepSeek-V3); renormalised when top_k > 1
+    capacity_factor: float | None = 1.25  # expert slots per row = factor * T * top_k / n_experts; null: dropless
+    moe_aux_loss: float = 0.01  # weight of the Switch load-balancing loss (0: off)
+    moe_z_loss: float = 0.001  # weight of the router z-loss (ST-MoE; 0: off)
 
     def __post_init__(self):
         _check_ints(self)
@@ -154,6 +165,7 @@ class ModelConfig:
         self._check_scalars()
         self._check_attention_impl()
         self._check_mla()
+        self._check_moe()
         _check(  # a learned table needs a last row: see max_positions
             self.position != "learned" or self.max_seq_len is not None,
             "max_seq_len",
@@ -288,7 +300,37 @@ class ModelConfig:
         ):
             _check(ok, name, why)
 
+    def _check_moe(self) -> None:
+        _check(self.moe_every >= 1, "moe_every", f"must be >= 1, got {self.moe_every}")
+        _check(self.n_experts >= 0, "n_experts", f"must be >= 0 (0: dense), got {self.n_experts}")
+        if self.moe_d_ff is None:
+            object.__setattr__(self, "moe_d_ff", self.d_ff)
+        if not self.n_experts:
+            return
+        _check(
+            1 <= self.top_k <= self.n_experts,
+            "top_k",
+            f"must be between 1 and n_experts ({self.n_experts}), got {self.top_k}",
+        )
+        _check(
+            self.n_layers % self.moe_every == 0,
+            "moe_every",
+            f"n_layers ({self.n_layers}) is not a multiple of moe_every ({self.moe_every})",
+        )
+        _check(self.moe_d_ff >= 1, "moe_d_ff", f"must be >= 1, got {self.moe_d_ff}")
+        _check(self.n_shared_experts >= 0, "n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
+        cf = self.capacity_factor
+        _check(cf is None or cf > 0, "capacity_factor", f"must be > 0 or null (dropless), got {cf}")
+        for name in ("moe_aux_loss", "moe_z_loss"):
+            _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        _check(not self.use_bias, "use_bias", "experts have no biases: set model.use_bias=false with n_experts")
+
     # --- derived values -------------------------------------------------------------------------
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's FFN is a mixture of experts (every moe_every-th, ending a group)."""
+        return tuple(bool(self.n_experts) and (i + 1) % self.moe_every == 0 for i in range(self.n_layers))
+
     @property
     def n_kv_groups(self) -> int:
         """G: query heads per kv head (N = K * G)."""
@@ -585,6 +627,7 @@ class MeshConfig:
     data: int = -1  # -1: all devices left over by the other axes
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1  # shards model.n_experts (expert parallelism)
 
     def __post_init__(self):
         _check_ints(self)
@@ -707,6 +750,8 @@ class Config:
         )
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)
+        if self.mesh.expert != 1:
+            check_expert_split(m, self.mesh.expert)
 
     @property
     def loss_chunk(self) -> int:
@@ -744,6 +789,12 @@ def check_tensor_split(m: ModelConfig, tensor: int) -> None:
         ("the padded vocab (model.vocab_multiple)", m.padded_vocab),
     ):
         _check(size % tensor == 0, "mesh.tensor", f"{tensor} does not divide {what} = {size}")
+
+
+def check_expert_split(m: ModelConfig, expert: int) -> None:
+    """Expert parallelism splits the experts: there must be some, and the axis must divide them."""
+    _check(m.n_experts > 0, "mesh.expert", f"{expert} needs model.n_experts > 0 (experts to split)")
+    _check(m.n_experts % expert == 0, "mesh.expert", f"{expert} does not divide model.n_experts = {m.n_experts}")
 
 
 # --- schema walking ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from transformer.data import Data
 from transformer.errors import EXIT_FAILED, first_line
 from transformer.metrics import Progress, Throughput, device_peak_flops
 from transformer.model.summary import count_params, flops_per_token
-from transformer.monitor import Anomaly, Faults, Monitor, MonitorStop, Recovery
+from transformer.monitor import COLLAPSE_LOAD, Anomaly, Faults, Monitor, MonitorStop, Recovery
 from transformer.profile import ProfileWindow
 from transformer.rundir import RunWriter
 from transformer.signals import Preempted, StopSignal
@@ -230,9 +230,18 @@ class TrainLoop:
             anomaly = self.monitor.observe(done, values["loss"], values["grad_norm"], values.get("applied", 1.0) > 0)
             if anomaly is not None and self.rollback_to is None:
                 self.rollback_to = self.on_anomaly(anomaly, values)
+            self.watch_router(done, values)
             if done % self.cfg.logging.every == 0 or done == self.cfg.train.steps:
                 self.log_metrics(done, values)
         self.pending.clear()
+
+    def watch_router(self, done: int, values: dict[str, float]) -> None:
+        """Journal a router collapse (mixture of experts; see monitor.COLLAPSE_LOAD)."""
+        m = self.cfg.model
+        if "expert_load_max" in values and self.monitor.router_collapse(
+            values["expert_load_max"], m.n_experts, m.top_k
+        ):
+            self.writer.event("router_collapse", done, expert_load_max=values["expert_load_max"], limit=COLLAPSE_LOAD)
 
     def log_metrics(self, done: int, values: dict[str, float]) -> None:
         """Write one step's metrics, with the throughput since the last logged step."""

@@ -6,7 +6,9 @@ to the step), keeps rolling statistics over `monitor.window` normal steps, and c
 - `nonfinite`: a NaN/inf loss or gradient norm (always an anomaly; the jitted step never applies it);
 - `spike`: loss above mean + threshold * std, or log gradient norm above its mean + threshold * std,
   once the window is warm;
-- `divergence`: loss above its first value for `monitor.divergence_steps` steps in a row.
+- `divergence`: loss above its first value for `monitor.divergence_steps` steps in a row;
+- `router_collapse` (mixture of experts): one expert of some layer takes at least `COLLAPSE_LOAD` of
+  the tokens (journaled when it happens, again only after the router has recovered).
 
 Recovery (`monitor.on_spike`): `log` records; `skip` hands limits to the jitted step, which then drops
 updates above them (moments untouched); `rollback` restores the last checkpoint before the spike's
@@ -31,6 +33,9 @@ import numpy as np
 
 from transformer.config import FaultsConfig, MonitorConfig
 
+# A router that sends this fraction of a batch's tokens (or more) to one expert has collapsed: that
+# expert does the layer's work and the others idle. Only meaningful when top_k < n_experts.
+COLLAPSE_LOAD = 0.9
 WARM_FRACTION = 4  # the window is warm once it holds window / WARM_FRACTION normal steps (at least 8)
 
 
@@ -75,6 +80,7 @@ class Monitor:
         self.nonfinite_run = state.get("nonfinite_run", 0)
         self.spike_run = state.get("spike_run", 0)
         self.diverged = state.get("diverged", False)
+        self.router_collapsed = state.get("router_collapsed", False)
 
     def state(self) -> dict:
         """JSON-able; saved in checkpoints so a resumed run makes the same decisions."""
@@ -85,6 +91,7 @@ class Monitor:
             "nonfinite_run": self.nonfinite_run,
             "spike_run": self.spike_run,
             "diverged": self.diverged,
+            "router_collapsed": self.router_collapsed,
         }
 
     def _stats(self, up_to: int | None = None):
@@ -150,6 +157,14 @@ class Monitor:
         self.spike_run = 0
         self.window.append((step, loss, grad_norm))
         return None
+
+    def router_collapse(self, load_max: float, n_experts: int, top_k: int) -> bool:
+        """Whether the router has just collapsed: the busiest expert (`expert_load_max`, the fraction
+        of tokens routed to it) reaches COLLAPSE_LOAD where top_k < n_experts leaves it a choice."""
+        collapsed = top_k < n_experts and load_max >= COLLAPSE_LOAD
+        news = collapsed and not self.router_collapsed
+        self.router_collapsed = collapsed
+        return news
 
 
 @dataclasses.dataclass

@@ -81,11 +81,20 @@ def curves(report: Report, key: str, ylabel: str, log_y: bool = False, smooth: b
     return fig
 
 
+# Per-layer routing statistics of mixture-of-experts runs, indexed over their MoE layers.
+MOE_PER_LAYER = [
+    ("layer_expert_load_max", "busiest expert's share of tokens"),
+    ("router_entropy", "router entropy (nats)"),
+]
+
+
 def per_layer(report: Report) -> Figure | None:
-    """Residual RMS and attention entropy per layer at the last statistics step: one line per
+    """Residual RMS and attention entropy per layer at the last statistics step (and, for mixtures
+    of experts, the busiest expert's load and the router's entropy per MoE layer): one line per
     variant (mean over seeds), or, with many variants, per level of the compared key and depth
     (mean over everything else)."""
     keys = [("residual_rms", "residual RMS"), ("attn_entropy", "attention entropy (nats)")]
+    keys += [(k, label) for k, label in MOE_PER_LAYER if any(r.last_list(k) for r in report.runs)]
     if not any(r.last_list(k) for r in report.runs for k, _ in keys):
         return None
     groups: dict[str, list] = {}
@@ -94,7 +103,7 @@ def per_layer(report: Report) -> Figure | None:
         for run in runs:
             label = f"{short_key(report.compare)}={format_value(run.values.get(report.compare))}" if many else variant
             groups.setdefault(f"{label}, {run.config.model.n_layers} layers" if many else label, []).append(run)
-    fig, axes = _grid(2, width=5.0)
+    fig, axes = _grid(len(keys), width=5.0)
     for ax, (key, label) in zip(axes, keys):
         for color, (name, runs) in zip(_colors(len(groups)), groups.items()):
             lists = [x for x in (r.last_list(key) for r in runs) if x and np.isfinite(x).any()]
@@ -102,7 +111,8 @@ def per_layer(report: Report) -> Figure | None:
                 continue
             mean = np.nanmean(np.array(lists), axis=0)
             ax.plot(np.arange(len(mean)), mean, marker="o", ms=3, color=color, label=name)
-        ax.set(xlabel="layer", ylabel=label, title=f"{label} at the end")
+        xlabel = "MoE layer" if key in dict(MOE_PER_LAYER) else "layer"
+        ax.set(xlabel=xlabel, ylabel=label, title=f"{label} at the end")
         ax.grid(alpha=0.3)
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)

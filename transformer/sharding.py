@@ -2,7 +2,8 @@
 
 Model code only names axes (`embed`, `heads`, ...). This module alone decides where they live:
 the batch is split over `data` and `fsdp`, `fsdp` also shards parameters and optimiser state along
-`embed`, and `tensor` shards heads and the FFN width (Megatron-style).
+`embed`, `tensor` shards heads and the FFN width (Megatron-style), and `expert` shards the experts of
+a mixture-of-experts FFN (expert parallelism; the batch is not split over it).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from transformer.config import Config, ConfigError, ModelConfig, check_tensor_split
+from transformer.config import Config, ConfigError, ModelConfig, check_expert_split, check_tensor_split
 from transformer.errors import first_line
 from transformer.model.summary import count_params, kv_cache_bytes_per_token
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # logical axis -> mesh axis (or axes); anything not listed is replicated.
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -34,6 +35,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "latent": None,  # MLA's latents: each tensor shard projects its own heads up from the whole latent
     "layers": None,
+    "experts": "expert",
 }
 
 
@@ -50,6 +52,8 @@ def mesh_shape(cfg: Config, n_devices: int) -> dict[str, int]:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
         raise ConfigError("mesh", f"{shape} = {math.prod(sizes.values())} devices, but {n_devices} are available")
     check_tensor_split(cfg.model, sizes["tensor"])
+    if sizes["expert"] > 1:
+        check_expert_split(cfg.model, sizes["expert"])
     batch_shards = sizes["data"] * sizes["fsdp"]
     if cfg.train.batch_size % (batch_shards * cfg.train.grad_accum):
         raise ConfigError(
@@ -64,7 +68,7 @@ def make_mesh(cfg: Config, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     sizes = mesh_shape(cfg, len(devices))
     return jax.make_mesh(
-        tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
+        tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
 
 
@@ -177,7 +181,9 @@ def training_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[str, i
     materialises whole: one layer's attention scores (not with cudnn, which never forms them) and
     the float32 logits."""
     m, train = cfg.model, cfg.train
-    param_bytes = count_params(m) * jnp.dtype(m.param_dtype).itemsize // (sizes["fsdp"] * sizes["tensor"])
+    # dividing by the expert axis too keeps it a lower bound: only the experts are split over it
+    shards = sizes["fsdp"] * sizes["tensor"] * sizes["expert"]
+    param_bytes = count_params(m) * jnp.dtype(m.param_dtype).itemsize // shards
     copies = 2 + (OPTIMIZER_COPIES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.b1 else 0)
     rows = max(1, train.batch_size // train.grad_accum // (sizes["data"] * sizes["fsdp"]))
     T = cfg.data.seq_len

@@ -24,6 +24,8 @@ from transformer.config import Config
 from transformer.data import Data
 from transformer.loss import cross_entropy as cross_entropy  # its old home: callers import it from here
 from transformer.model import Transformer
+from transformer.model.moe import STEP_METRICS
+from transformer.model.transformer import layer_slots
 from transformer.optim import make_optimizer, schedule
 
 
@@ -60,12 +62,18 @@ def _keep_unless(apply: jax.Array, new, old):
     return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
 
 
-def _per_layer_metrics(grads: dict, updates: dict, params: dict) -> dict[str, jax.Array]:
+def _per_layer_metrics(cfg: Config, grads: dict, updates: dict, params: dict) -> dict[str, jax.Array]:
     """[L] each: gradient norms of attention and feed-forward, and update / parameter norm ratios."""
+    slots = layer_slots(cfg.model)  # dense and MoE layers live in two stacks: back to layer order
+
+    def in_layer_order(norms: dict[str, jax.Array]) -> jax.Array:
+        return jnp.stack([norms[stack][j] for stack, j in slots])
+
+    stacks = {stack for stack, _ in slots}
     return {
-        "grad_norm_attn": _per_layer_norm(grads["blocks"]["attn"]),
-        "grad_norm_ffn": _per_layer_norm(grads["blocks"]["ffn"]),
-        "update_ratio": _per_layer_norm(updates["blocks"]) / _per_layer_norm(params["blocks"]),
+        "grad_norm_attn": in_layer_order({s: _per_layer_norm(grads[s]["attn"]) for s in stacks}),
+        "grad_norm_ffn": in_layer_order({s: _per_layer_norm(grads[s]["ffn"]) for s in stacks}),
+        "update_ratio": in_layer_order({s: _per_layer_norm(updates[s]) / _per_layer_norm(params[s]) for s in stacks}),
     }
 
 
@@ -130,17 +138,20 @@ class Trainer:
 
     def _loss(self, params, batch, key):
         model = nnx.merge(self.graphdef, params)
-        x_BxTxD = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), key=key)
+        x_BxTxD, routing = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), key=key)
         weights = batch.get("weights", jnp.ones(batch["targets"].shape, jnp.float32))
         objective, nll_sum, count = loss.objective(
             x_BxTxD, model.logits, batch["targets"], weights, self.cfg.train.z_loss, self.cfg.loss_chunk
         )
-        return objective, (nll_sum, count)
+        if routing:  # the MoE losses are means over tokens: as sums, like the objective
+            m = self.cfg.model
+            objective += count * (m.moe_aux_loss * routing["moe_aux_loss"] + m.moe_z_loss * routing["router_z_loss"])
+        return objective, (nll_sum, count, routing)
 
     def _train_step(self, state: TrainState, batch: dict, controls: dict) -> tuple[TrainState, dict]:
         """One update. `controls` (see `default_controls`) carry the host's decisions into the step:
         learning-rate scale, the skip limits of the monitor, injected NaN gradients."""
-        grads, nll_sum, count = self._grads(state, batch)
+        grads, nll_sum, count, routing = self._grads(state, batch)
         grads = jax.tree.map(lambda g: jnp.where(controls["nan_grads"], jnp.nan, g), grads)  # fault injection
         loss, grad_norm = nll_sum / count, optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -156,30 +167,36 @@ class Trainer:
             "param_norm": optax.tree.norm(params),
             "lr": self.lr(state.step) * controls["lr_scale"],
             "applied": apply.astype(jnp.float32),
+            **routing,
         }
         if self.cfg.monitor.stats_every:  # per layer, [L]: cheap reductions, and none when off
-            metrics.update(_per_layer_metrics(grads, updates, state.params))
+            metrics.update(_per_layer_metrics(self.cfg, grads, updates, state.params))
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    def _grads(self, state: TrainState, batch: dict) -> tuple[dict, Any, Any]:
-        """(gradients of the mean objective, nll sum, token count) of the batch, accumulated over
-        `train.grad_accum` micro-batches."""
+    def _grads(self, state: TrainState, batch: dict) -> tuple[dict, Any, Any, dict]:
+        """(gradients of the mean objective, nll sum, token count, the MoE routing metrics averaged
+        over tokens) of the batch, accumulated over `train.grad_accum` micro-batches."""
         accum = self.cfg.train.grad_accum
         step_key = self._dropout_key(state.step)
         grad_fn = jax.grad(self._loss, has_aux=True)
 
         def micro(carry, xs):
-            grads, nll_sum, count = carry
+            grads, nll_sum, count, routing = carry
             micro_batch, index = xs
             key = None if step_key is None else jax.random.fold_in(step_key, index)
-            g, (n, c) = grad_fn(state.params, micro_batch, key)
-            return (jax.tree.map(jnp.add, grads, g), nll_sum + n, count + c), None
+            g, (n, c, r) = grad_fn(state.params, micro_batch, key)
+            routing = {k: routing[k] + c * r[k] for k in routing}
+            return (jax.tree.map(jnp.add, grads, g), nll_sum + n, count + c, routing), None
 
         micro_batches = _micro_batches(batch, accum)
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        (grads, nll_sum, count), _ = jax.lax.scan(micro, (zeros, 0.0, 0.0), (micro_batches, jnp.arange(accum)))
+        routing = {k: jnp.float32(0.0) for k in STEP_METRICS} if self.cfg.model.n_experts else {}
+        (grads, nll_sum, count, routing), _ = jax.lax.scan(
+            micro, (zeros, 0.0, 0.0, routing), (micro_batches, jnp.arange(accum))
+        )
         # The objective is a sum over tokens: divide once, so accumulation equals one big batch.
-        return jax.tree.map(lambda g: g / count, grads), nll_sum, count
+        routing = {k: v / count for k, v in routing.items()}
+        return jax.tree.map(lambda g: g / count, grads), nll_sum, count, routing
 
     def _dropout_key(self, step: jax.Array) -> jax.Array | None:
         """The step's dropout key, derived from (seed, step); None without dropout."""
@@ -192,7 +209,7 @@ class Trainer:
         return model.stability_stats(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
 
     def _eval_step(self, params, batch) -> tuple[jax.Array, jax.Array]:
-        _, (nll_sum, count) = self._loss(params, batch, None)
+        _, (nll_sum, count, _) = self._loss(params, batch, None)
         return nll_sum, count
 
     # --- host-side helpers ------------------------------------------------------------------------

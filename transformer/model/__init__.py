@@ -5,6 +5,7 @@
   bias, or nothing;
 - `layers.py`: parameters with logical axes, the initialisation scales (`InitScales`), norms, FFNs;
 - `attention.py`: causal self-attention (MHA/GQA/MQA, windows, documents) and the KV cache;
+- `moe.py`: the mixture-of-experts FFN (router, capacity or dropless dispatch, routing losses);
 - `transformer.py`: the block (norm placement), the layer stack (scan, remat), the `Transformer`;
 - `summary.py`: parameter counts, FLOPs and KV-cache bytes per token, the `--dry-run` summary.
 """

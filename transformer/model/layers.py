@@ -118,9 +118,9 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 class FFN(nnx.Module):
     """The feed-forward sublayer: a two-layer MLP, or a gated linear unit for the GATED_FFNS."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int | None = None):
         self.cfg = cfg
-        D, F = cfg.d_model, cfg.d_ff
+        D, F = cfg.d_model, cfg.d_ff if width is None else width
         scales = InitScales.of(cfg)
         if cfg.gated_ffn:  # gate and up projection fused: C = 2
             self.w_in = normal_param(rngs, (D, 2, F), ("embed", None, "mlp"), scales.ffn_in, cfg)

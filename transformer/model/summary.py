@@ -37,11 +37,24 @@ def count_params(cfg: ModelConfig) -> int:
     ffn = D * ffn_in + F * D + ((ffn_in + D) if cfg.use_bias else 0)
     per_layer = attention + ffn + cfg.norms_per_block * norm
     total = V * D + L * per_layer
+    # a MoE layer's FFN: the router and E routed plus the shared experts, instead of the dense FFN
+    n_moe = sum(cfg.moe_layers)
+    total += n_moe * (D * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * expert_params(cfg) - ffn)
     table = positions_for(cfg).table_shape
     total += math.prod(table) if table is not None else 0
     total += norm if cfg.final_norm else 0
     total += 0 if cfg.tie_embeddings else D * V
     return total
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """One expert's weights (no biases): D x moe_d_ff in (twice when gated) and moe_d_ff x D out."""
+    return (3 if cfg.gated_ffn else 2) * cfg.d_model * cfg.moe_d_ff
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all but the n_experts - top_k routed experts it skips per MoE layer."""
+    return count_params(cfg) - sum(cfg.moe_layers) * (cfg.n_experts - cfg.top_k) * expert_params(cfg)
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:
@@ -63,6 +76,9 @@ def _component(path: tuple) -> str:
         return "norms"
     if names[0] == "blocks":
         return {"attn": "attention", "ffn": "ffn"}[names[1]]
+    if names[0] == "moe_blocks":
+        moe = {"router": "router", "w_in": "experts", "w_out": "experts", "shared": "shared ffn"}
+        return "attention" if names[1] == "attn" else moe[names[2]]
     raise ValueError(f"unclassified parameter {'/'.join(names)}")
 
 
@@ -97,6 +113,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     attention = mla_matmul_params(cfg) if cfg.attention == "mla" else D * (N + 2 * K) * H + N * H * D
     matmul_params = L * (attention + (3 if cfg.gated_ffn else 2) * D * F) + D * V
+    # a MoE layer: the router and the experts a token is routed to (active parameters; a dropped
+    # assignment's or an empty capacity slot's work is not useful work)
+    moe_ffn = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * expert_params(cfg)
+    matmul_params += sum(cfg.moe_layers) * (moe_ffn - (3 if cfg.gated_ffn else 2) * D * F)
     value_width = cfg.v_head_dim if cfg.attention == "mla" else H
     per_key = 2 * N * (cfg.qk_head_dim + value_width)  # scores, then the weighted sum of values
     forward = 2 * matmul_params + L * per_key * mean_attended_keys(cfg, seq_len)
@@ -153,6 +173,15 @@ def summary_text(cfg: ModelConfig, seq_len: int) -> str:
     for name, count in sorted(by_component.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<12} {count:>15,}  {100 * count / total:5.1f}%")
     lines.append(f"  {'total':<12} {total:>15,}")
+    if cfg.n_experts:
+        active = active_params(cfg)
+        lines.append(f"  {'active':<12} {active:>15,}  per token ({cfg.top_k} of {cfg.n_experts} experts)")
+        dispatch = "dropless" if cfg.capacity_factor is None else f"capacity factor {cfg.capacity_factor}"
+        lines.append(
+            f"mixture of experts: {sum(cfg.moe_layers)} of {cfg.n_layers} layers, {cfg.n_experts} experts "
+            f"of d_ff {cfg.moe_d_ff} (+{cfg.n_shared_experts} shared), top-{cfg.top_k} {cfg.router} router, "
+            f"{dispatch}; FLOPs and MFU count active parameters"
+        )
     lines.append(f"FLOPs per token (forward+backward, seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
     kv = kv_cache_bytes_per_token(cfg)
     form = "L*(kv_lora_rank+qk_rope_head_dim)*bytes" if cfg.attention == "mla" else "2*L*K*H*bytes"

@@ -12,6 +12,7 @@ from transformer.config import GLOBAL_WINDOW, ModelConfig
 from transformer.model.attention import MASK_VALUE, Attention, KVCache, Window, cache_size
 from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param
 from transformer.model.mla import MultiHeadLatentAttention
+from transformer.model.moe import STEP_METRICS, MoE
 from transformer.model.positions import positions_for
 
 # Statistics by name: scalars as one block sows them, or [L] when stacked over the layers.
@@ -27,13 +28,14 @@ REMAT_POLICIES = {
 
 
 class Block(nnx.Module):
-    """One attention sublayer and one FFN sublayer, each wrapped by the configured norm placement."""
+    """One attention sublayer and one FFN sublayer (a mixture of experts with `moe`), each wrapped by
+    the configured norm placement."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         self.cfg = cfg
         # the one place model.attention is read
         self.attn = (MultiHeadLatentAttention if cfg.attention == "mla" else Attention)(cfg, rngs=rngs)
-        self.ffn = FFN(cfg, rngs=rngs)
+        self.ffn = MoE(cfg, rngs=rngs) if moe else FFN(cfg, rngs=rngs)
         self.attn_norm = Norm(cfg)
         self.ffn_norm = Norm(cfg)
         sandwich = cfg.norm_position == "sandwich"
@@ -97,11 +99,11 @@ class Block(nnx.Module):
         return x_BxTxD, new_cache
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """L blocks whose parameters are stacked on a leading `layers` axis, ready for `lax.scan`."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
-    keys_L = jax.random.split(rngs.params(), cfg.n_layers)
-    state = jax.vmap(lambda k: nnx.state(Block(cfg, rngs=nnx.Rngs(k))))(keys_L)
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int, moe: bool = False) -> Block:
+    """`count` blocks whose parameters are stacked on a leading `layers` axis, ready for `lax.scan`."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), moe=moe)))
+    keys_L = jax.random.split(rngs.params(), count)
+    state = jax.vmap(lambda k: nnx.state(Block(cfg, rngs=nnx.Rngs(k), moe=moe)))(keys_L)
     state = jax.tree.map(
         lambda v: v.replace(axes=("layers",) + v.axes),
         state,
@@ -119,11 +121,12 @@ def _block_forward(
     key: jax.Array | None,
     collect: bool,
 ) -> tuple[jax.Array, Stats]:
-    """One block without a cache, and with `collect` what it sowed, by name (else {})."""
-    if not collect:
+    """One block without a cache, and what it sowed, by name: with `collect`, or when its FFN is a
+    mixture of experts (whose routing losses the trainer needs); else {}."""
+    if not (collect or isinstance(block.ffn, MoE)):
         return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key)[0], {}
     forward = nnx.capture(
-        lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=True)[0], nnx.Intermediate
+        lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=collect)[0], nnx.Intermediate
     )
     x_BxTxD, sown = forward(block)
     # each sown value is a one-element tuple
@@ -151,6 +154,65 @@ def _over_layers(
     traced_step = _remat(cfg, step, ())
     windows_L = jnp.asarray([GLOBAL_WINDOW if w is None else w for w in windows], jnp.int32)
     return jax.lax.scan(lambda x, xs: traced_step(x, *xs), x_BxTxD, (state, keys_L, windows_L))
+
+
+def layer_slots(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """Where each layer's parameters are: (stack, index in it); the stacks are `blocks` (dense FFN)
+    and `moe_blocks` (mixture of experts)."""
+    seen = {"blocks": 0, "moe_blocks": 0}
+    slots = []
+    for moe in cfg.moe_layers:
+        stack = "moe_blocks" if moe else "blocks"
+        slots.append((stack, seen[stack]))
+        seen[stack] += 1
+    return tuple(slots)
+
+
+def _merged_stats(per_layer: list[Stats]) -> Stats:
+    """{name: [layers that have it]} from each layer's statistics, in layer order (a MoE layer's
+    routing statistics are indexed over the MoE layers)."""
+    names = dict.fromkeys(k for stats in per_layer for k in stats)
+    return {k: jnp.concatenate([jnp.reshape(s[k], (-1,)) for s in per_layer if k in s]) for k in names}
+
+
+def _over_groups(
+    cfg: ModelConfig, steps: dict[str, BlockStep], states: dict[str, nnx.State], x_BxTxD: jax.Array, keys_L
+) -> tuple[jax.Array, Stats]:
+    """Dense and MoE layers interleaved (`moe_every` > 1): their two stacks hold different parameters,
+    so the scan runs over the n_layers / moe_every groups of moe_every - 1 dense layers and one MoE
+    layer, unrolled inside a group (windows traced). Unrolled throughout without `scan_layers`."""
+    slots, windows = layer_slots(cfg), cfg.layer_windows
+    if not cfg.scan_layers:
+        per_layer = []
+        for i, (stack, j) in enumerate(slots):
+            state_l = jax.tree.map(lambda a, j=j: a[j], states[stack])
+            step = _remat(cfg, steps[stack], (3,))
+            x_BxTxD, stats = step(x_BxTxD, state_l, None if keys_L is None else keys_L[i], windows[i])
+            per_layer.append(stats)
+        return x_BxTxD, _merged_stats(per_layer)
+    k, G = cfg.moe_every, cfg.n_layers // cfg.moe_every
+    traced = {stack: _remat(cfg, step, ()) for stack, step in steps.items()}
+    windows_GxK = jnp.asarray([GLOBAL_WINDOW if w is None else w for w in windows], jnp.int32).reshape(G, k)
+    dense_GxJ = jax.tree.map(lambda a: a.reshape((G, k - 1) + a.shape[1:]), states["blocks"])
+    keys_GxK = None if keys_L is None else keys_L.reshape((G, k) + keys_L.shape[1:])
+
+    def group(x_BxTxD, xs):
+        dense_J, moe_state, keys_K, windows_K = xs
+        per_layer = []
+        for j in range(k):
+            key = None if keys_K is None else keys_K[j]
+            if j < k - 1:
+                state_j = jax.tree.map(lambda a, j=j: a[j], dense_J)
+                x_BxTxD, stats = traced["blocks"](x_BxTxD, state_j, key, windows_K[j])
+            else:
+                x_BxTxD, stats = traced["moe_blocks"](x_BxTxD, moe_state, key, windows_K[j])
+            per_layer.append(stats)
+        return x_BxTxD, per_layer
+
+    x_BxTxD, per_position = jax.lax.scan(group, x_BxTxD, (dense_GxJ, states["moe_blocks"], keys_GxK, windows_GxK))
+    # per_position[j][name] is [G]; layer g*k + j: stacking positions on a second axis restores layer order
+    names = dict.fromkeys(n for stats in per_position for n in stats)
+    return x_BxTxD, {n: jnp.stack([s[n] for s in per_position if n in s], axis=1).reshape(-1) for n in names}
 
 
 def _unrolled(
@@ -187,7 +249,9 @@ class Transformer(nnx.Module):
         self.embed = normal_param(rngs, (V, D), ("vocab", "embed"), scales.embedding, cfg)
         table = self.positions.table_shape
         self.pos_embed = None if table is None else normal_param(rngs, table, (None, "embed"), scales.positions, cfg)
-        self.blocks = _stacked_blocks(cfg, rngs)
+        n_moe = sum(cfg.moe_layers)
+        self.blocks = _stacked_blocks(cfg, rngs, cfg.n_layers - n_moe) if n_moe < cfg.n_layers else None
+        self.moe_blocks = _stacked_blocks(cfg, rngs, n_moe, moe=True) if n_moe else None
         self.final_norm = Norm(cfg) if cfg.final_norm else None
         self.head = None if cfg.tie_embeddings else normal_param(rngs, (D, V), ("embed", "vocab"), scales.head, cfg)
 
@@ -207,17 +271,36 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, Stats]:
         """(the block stack on embeddings x, then the final norm where the placement has one; each
         layer's statistics {name: [L]} with `collect` (see Block), else {})."""
-        graphdef, state = nnx.split(self.blocks)
+        steps, states = {}, {}
+        for name in ("blocks", "moe_blocks"):
+            if getattr(self, name) is not None:
+                graphdef, states[name] = nnx.split(getattr(self, name))
+                steps[name] = self._layer_step(graphdef, positions_BxT, segment_ids_BxT, collect)
+        keys_L = None if key is None else jax.random.split(key, self.cfg.n_layers)
+        if len(steps) == 1:  # one kind of layer: one stack, scanned as it is
+            (name,) = steps
+            x_BxTxD, stats_L = _over_layers(self.cfg, steps[name], x_BxTxD, states[name], keys_L)
+        else:
+            x_BxTxD, stats_L = _over_groups(self.cfg, steps, states, x_BxTxD, keys_L)
+        if self.final_norm is not None:
+            x_BxTxD = self.final_norm(x_BxTxD)
+        return x_BxTxD, stats_L
 
+    @staticmethod
+    def _layer_step(
+        graphdef: nnx.GraphDef, positions_BxT: jax.Array, segment_ids_BxT: jax.Array | None, collect: bool
+    ) -> BlockStep:
         def step(x: jax.Array, state_l: nnx.State, key_l: jax.Array | None, window: Window) -> tuple[jax.Array, Stats]:
             block = nnx.merge(graphdef, state_l)
             return _block_forward(block, x, positions_BxT, segment_ids_BxT, window, key_l, collect)
 
-        keys_L = None if key is None else jax.random.split(key, self.cfg.n_layers)
-        x_BxTxD, stats_L = _over_layers(self.cfg, step, x_BxTxD, state, keys_L)
-        if self.final_norm is not None:
-            x_BxTxD = self.final_norm(x_BxTxD)
-        return x_BxTxD, stats_L
+        return step
+
+    def layer_block(self, i: int) -> Block:
+        """Layer i's block, taken out of its stack."""
+        stack, j = layer_slots(self.cfg)[i]
+        graphdef, state = nnx.split(getattr(self, stack))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], state))
 
     def stability_stats(
         self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None, segment_ids_BxT: jax.Array | None = None
@@ -253,7 +336,9 @@ class Transformer(nnx.Module):
         """An empty KV cache for `max_len` tokens: per layer, K/V for the kv heads only (GQA and MQA
         caches shrink in proportion; MLA keeps its latent and rope key instead), a ring buffer of
         `window` entries for sliding-window layers."""
-        return [self.blocks.attn.empty_cache(batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
+        stack = self.blocks if self.blocks is not None else self.moe_blocks  # every layer has the same attention
+        assert stack is not None
+        return [stack.attn.empty_cache(batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
 
     def decode(
         self, tokens_BxT: jax.Array, positions_BxT: jax.Array, cache: list[KVCache], index: int | jax.Array
@@ -262,11 +347,14 @@ class Transformer(nnx.Module):
         per step), attending to the cache; returns the logits and the updated cache. Positions are per
         row (left padding has position -1)."""
         x_BxTxD = self.embed_tokens(tokens_BxT, jnp.maximum(positions_BxT, 0))
-        graphdef, state = nnx.split(self.blocks)
         new_cache = []
         for i, window in enumerate(self.cfg.layer_windows):  # unrolled: layers may hold caches of different sizes
-            block = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-            x_BxTxD, layer_cache = block(x_BxTxD, positions_BxT, None, window, None, cache[i], index)
+            # captured, so that what a MoE layer sows is collected and dropped rather than kept on the block
+            forward = nnx.capture(
+                lambda b, x=x_BxTxD, w=window, c=cache[i]: b(x, positions_BxT, None, w, None, c, index),
+                nnx.Intermediate,
+            )
+            (x_BxTxD, layer_cache), _ = forward(self.layer_block(i))
             assert layer_cache is not None, "a block given a cache returns it updated"
             new_cache.append(layer_cache)
         if self.final_norm is not None:
@@ -280,18 +368,19 @@ class Transformer(nnx.Module):
         segment_ids_BxT: jax.Array | None = None,
         key: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits [B, T, V] for every position (teacher forcing); see `hidden` for the arguments."""
-        return self.logits(self.hidden(tokens_BxT, positions_BxT, segment_ids_BxT, key))
+        """Logits [B, T, V] for every position (teacher forcing); see `forward` for the arguments."""
+        return self.logits(self.forward(tokens_BxT, positions_BxT, segment_ids_BxT, key)[0])
 
-    def hidden(
+    def forward(
         self,
         tokens_BxT: jax.Array,
         positions_BxT: jax.Array | None = None,
         segment_ids_BxT: jax.Array | None = None,
         key: jax.Array | None = None,
-    ) -> jax.Array:
-        """The last hidden states [B, T, D], before the output projection (a chunked loss projects
-        them a few positions at a time: `transformer/loss.py`).
+    ) -> tuple[jax.Array, Stats]:
+        """(the last hidden states [B, T, D], before the output projection, the routing terms of the
+        MoE layers, each of `moe.STEP_METRICS` reduced over them; {} for a dense model). A chunked
+        loss projects the hidden states a few positions at a time: `transformer/loss.py`.
 
         positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
         segment_ids_BxT: document ids, attention never crosses a change of id;
@@ -303,5 +392,5 @@ class Transformer(nnx.Module):
         if key is not None:
             embed_key, block_key = jax.random.split(key)
         x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
-        x_BxTxD, _ = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key)
-        return x_BxTxD
+        x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key)
+        return x_BxTxD, {k: over(stats[f"layer_{k}"]) for k, over in STEP_METRICS.items() if f"layer_{k}" in stats}

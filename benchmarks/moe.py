@@ -1,0 +1,97 @@
+"""Step time of mixture-of-experts FFNs against a dense FFN at equal active parameters.
+
+    python benchmarks/moe.py [--preset cpu-study] [--rounds 7] [--steps 5] [key.path=value ...]
+
+Variants (all on the preset's model, SwiGLU d_ff = F): dense; top-1 of 4 experts of width F; top-2
+of 4 experts of width F/2 (capacity factor 1.25); the same top-2 dropless (`ragged_dot`). Each gives a
+token the same FFN parameters. The variants are timed interleaved (round r times every variant in
+turn, `--steps` steps each, after one compiled warm-up step), so load from other processes on the
+machine falls on all of them alike; the figure is the median over rounds of each variant's median
+step time, divided by the dense one's. Random token batches: this measures the step only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from throughput import preset_path, random_batch
+
+from transformer import sharding
+from transformer.config_loader import load_config
+from transformer.model.summary import active_params, count_params
+from transformer.trainer import Trainer, default_controls
+
+
+def variants(d_ff: int) -> dict[str, list[str]]:
+    moe = ["model.n_experts=4"]
+    return {
+        "dense": [],
+        "top-1 of 4 (width F)": [*moe, "model.top_k=1", f"model.moe_d_ff={d_ff}"],
+        "top-2 of 4 (width F/2)": [*moe, "model.top_k=2", f"model.moe_d_ff={d_ff // 2}"],
+        "top-2 of 4, dropless": [*moe, "model.top_k=2", f"model.moe_d_ff={d_ff // 2}", "model.capacity_factor=null"],
+    }
+
+
+class Timed:
+    """One variant's compiled step, state and batch, ready to be timed a few steps at a time."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.trainer = Trainer(cfg, sharding.make_mesh(cfg))
+        self.state = self.trainer.init(jax.random.key(0))
+        self.batch = self.trainer.put_batch(random_batch(cfg, np.random.default_rng(0)), cfg.train.batch_size)
+        self.steps(1)  # compile
+        self.medians: list[float] = []
+
+    def steps(self, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            self.state, metrics = self.trainer.train_step(self.state, self.batch, default_controls())
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="cpu-study")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    base = load_config(preset_path(args.preset), args.overrides)
+    timed = {
+        name: Timed(load_config(preset_path(args.preset), [*args.overrides, *extra]))
+        for name, extra in variants(base.model.d_ff).items()
+    }
+    for _ in range(args.rounds):
+        for t in timed.values():
+            t.medians.append(statistics.median(t.steps(args.steps)))
+    m = base.model
+    print(
+        f"{args.preset}: d_model {m.d_model}, {m.n_layers} layers, d_ff {m.d_ff}, batch {base.train.batch_size} x {base.data.seq_len}"
+    )
+    print(
+        f"{jax.device_count()} {jax.default_backend()} device(s); median of {args.rounds} interleaved rounds of {args.steps} steps"
+    )
+    dense = statistics.median(timed["dense"].medians)
+    for name, t in timed.items():
+        step = statistics.median(t.medians)
+        total, active = count_params(t.cfg.model), active_params(t.cfg.model)
+        print(
+            f"  {name:<24} {1000 * step:8.1f} ms/step  x{step / dense:5.2f}  params {total:>9,} total {active:>9,} active"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""Mixture of experts: equal to the dense FFN with one expert, to a plain per-token loop without
+drops, the balancing loss's closed forms, capacity drops, router gradients, exact resume, and
+parameter counts against the real tree. Identical losses on meshes with an expert axis are part of
+test_trainer.py's mesh test (its model interleaves a dense and a MoE layer)."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, assert_bitwise_equal, build, final_params, logged, tiny, tiny_run_overrides, write_corpus
+from flax import nnx
+
+from transformer.config import ConfigError, MonitorConfig
+from transformer.config_loader import load_config
+from transformer.job import run
+from transformer.model.layers import ACTIVATIONS, FFN
+from transformer.model.moe import MoE
+from transformer.model.summary import abstract_model, active_params, count_params, expert_params
+from transformer.monitor import Monitor
+
+T = 16
+
+
+def moe_cfg(**kw):
+    return tiny(**{"n_experts": 4, "top_k": 2, **kw})
+
+
+def run_moe(moe: MoE, x_BxTxD: jax.Array) -> tuple[jax.Array, dict]:
+    """The layer's output and what it sowed, by name."""
+    y, sown = nnx.capture(lambda m: m(x_BxTxD), nnx.Intermediate)(moe)
+    return y, {str(path[-1]): v.get_value()[0] for path, v in nnx.to_flat_state(sown)}
+
+
+def random_x(cfg, seed=0, B=2):
+    return jax.random.normal(jax.random.key(seed), (B, T, cfg.d_model))
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+@pytest.mark.parametrize("ffn", ["swiglu", "gelu"])
+def test_one_expert_top1_is_the_dense_ffn(capacity_factor, ffn):
+    """One expert, top-1: every token goes to it with gate softmax = 1 and capacity T holds all."""
+    cfg = tiny(n_experts=1, top_k=1, ffn=ffn, capacity_factor=capacity_factor)
+    moe, dense = MoE(cfg, rngs=nnx.Rngs(0)), FFN(cfg, rngs=nnx.Rngs(1))
+    moe.w_in[...] = dense.w_in[...][None]
+    moe.w_out[...] = dense.w_out[...][None]
+    x = random_x(cfg)
+    y, sown = run_moe(moe, x)
+    np.testing.assert_allclose(y, dense(x), rtol=1e-5, atol=1e-6)
+    assert float(sown["layer_dropped_fraction"]) == 0.0
+
+
+def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
+    """The mixture written plainly: for each token, score the experts, take the top k, weigh each
+    chosen expert's FFN output by its gate (renormalised over the k when k > 1)."""
+    cfg = moe.cfg
+    router = np.asarray(moe.router[...], np.float64)
+    w_in, w_out = np.asarray(moe.w_in[...], np.float64), np.asarray(moe.w_out[...], np.float64)
+    act = ACTIVATIONS[cfg.ffn]
+    x = np.asarray(x_BxTxD, np.float64)
+    out = np.zeros_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            logits = x[b, t] @ router
+            if cfg.router == "softmax":
+                scores = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+            else:
+                scores = 1 / (1 + np.exp(-logits))
+            chosen = np.argsort(-scores)[: cfg.top_k]
+            gates = scores[chosen] / (scores[chosen].sum() if cfg.top_k > 1 else 1.0)
+            for e, g in zip(chosen, gates):
+                if cfg.gated_ffn:
+                    h = np.asarray(act(x[b, t] @ w_in[e, :, 0])) * (x[b, t] @ w_in[e, :, 1])
+                else:
+                    h = np.asarray(act(x[b, t] @ w_in[e]))
+                out[b, t] += g * (h @ w_out[e])
+    if moe.shared is not None:
+        out += np.asarray(moe.shared(x_BxTxD), np.float64)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=1, capacity_factor=None),
+        dict(top_k=2, capacity_factor=None, router="sigmoid"),
+        dict(top_k=2, capacity_factor=100.0, ffn="gelu"),
+        dict(top_k=3, capacity_factor=100.0, router="sigmoid", n_shared_experts=1),
+    ],
+    ids=["top1-dropless", "top2-sigmoid-dropless", "top2-capacity-inf-gelu", "top3-sigmoid-capacity-inf-shared"],
+)
+def test_without_drops_the_output_is_the_per_token_loop(kw):
+    cfg = moe_cfg(**kw)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    moe.router[...] = moe.router[...] * 50  # distinct scores, so ties cannot reorder the choice
+    x = random_x(cfg)
+    y, sown = run_moe(moe, x)
+    np.testing.assert_allclose(np.asarray(y), loop_reference(moe, x), rtol=1e-4, atol=1e-6)
+    assert float(sown["layer_dropped_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_balancing_loss_closed_forms(router):
+    """Uniform probabilities: E * sum_e f_e / E = 1 whatever the choices, and z-loss = log(E)^2
+    (softmax); every token sure of expert 0: f_0 = P_0 = 1, loss E."""
+    cfg = moe_cfg(router=router, top_k=1)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    moe.router[...] = jnp.zeros_like(moe.router[...])
+    _, sown = run_moe(moe, random_x(cfg))
+    assert float(sown["layer_moe_aux_loss"]) == pytest.approx(1.0, rel=1e-6)
+    E = cfg.n_experts
+    zero_logit_lse = math.log(E)  # logsumexp of E zeros
+    assert float(sown["layer_router_z_loss"]) == pytest.approx(zero_logit_lse**2, rel=1e-6)
+    if router == "softmax":
+        moe.router[...] = jnp.zeros_like(moe.router[...]).at[:, 0].set(100.0)
+        x = jnp.abs(random_x(cfg)) + 0.1  # positive features: expert 0's logit dominates
+        _, sown = run_moe(moe, x)
+        assert float(sown["layer_moe_aux_loss"]) == pytest.approx(E, rel=1e-4)
+        assert float(sown["layer_expert_load_max"]) == 1.0
+
+
+def test_tokens_over_capacity_are_dropped_and_counted():
+    """All tokens choose expert 0; a row's capacity is C = ceil(1.0 * T * 1 / 4) = 4: the first four
+    tokens of each row get the expert's output, the other twelve get zero (the residual passes)."""
+    cfg = moe_cfg(top_k=1, capacity_factor=1.0)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    moe.router[...] = jnp.zeros_like(moe.router[...]).at[:, 0].set(100.0)
+    x = jnp.abs(random_x(cfg)) + 0.1
+    y, sown = run_moe(moe, x)
+    C = 4
+    expected = loop_reference(moe, x)
+    np.testing.assert_allclose(np.asarray(y[:, :C]), expected[:, :C], rtol=1e-4, atol=1e-6)
+    assert np.all(np.asarray(y[:, C:]) == 0.0)
+    assert float(sown["layer_dropped_fraction"]) == pytest.approx((T - C) / T)
+    assert float(sown["expert_load_0"]) == 1.0
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_k=2, router="sigmoid", capacity_factor=None)])
+def test_router_gets_gradients_from_the_output(kw):
+    cfg = moe_cfg(**kw)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = random_x(cfg)
+    target = random_x(cfg, seed=1)
+    graphdef, params = nnx.split(moe, nnx.Param)
+
+    def loss(p):
+        return jnp.sum(run_moe(nnx.merge(graphdef, p), x)[0] * target)  # the output alone: no balancing loss
+
+    grads = jax.grad(loss)(params)
+    assert float(jnp.linalg.norm(grads["router"][...])) > 1e-4
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(moe_every=2, n_layers=4, n_shared_experts=1, moe_d_ff=24),
+        dict(ffn="gelu", top_k=1, n_experts=3, moe_every=3, n_layers=3),
+    ],
+)
+def test_total_and_active_parameters_match_the_tree(kw):
+    cfg = moe_cfg(**kw)
+    leaves = nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param))
+    total = sum(math.prod(v.get_value().shape) for _, v in leaves)
+    routed = sum(
+        math.prod(v.get_value().shape)
+        for path, v in leaves
+        if str(path[-1]) in ("w_in", "w_out") and "moe_blocks" in path and "shared" not in path
+    )
+    assert count_params(cfg) == total
+    assert routed == sum(cfg.moe_layers) * cfg.n_experts * expert_params(cfg)
+    assert active_params(cfg) == total - routed * (cfg.n_experts - cfg.top_k) // cfg.n_experts
+
+
+def test_mixed_layers_scanned_equal_unrolled():
+    """Dense and MoE layers interleaved (layers 1 and 3 MoE), with a per-layer window pattern."""
+    kw = dict(moe_every=2, n_layers=4, window=3, attention_pattern=("local", "global"))
+    model, unrolled = build(moe_cfg(**kw)), build(moe_cfg(**kw, scan_layers=False))
+    cfg = model.cfg
+    tokens = jnp.arange(2 * T).reshape(2, T) % cfg.vocab_size
+    a, ra = model.forward(tokens)
+    b, rb = unrolled.forward(tokens)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert ra.keys() == rb.keys() and ra
+    sa, sb = model.stability_stats(tokens), unrolled.stability_stats(tokens)
+    for k in sa:
+        np.testing.assert_allclose(sa[k], sb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    positions = jnp.broadcast_to(jnp.arange(T), tokens.shape)
+    _, training = model.run_blocks(model.embed_tokens(tokens, positions), positions)
+    assert "layer_moe_aux_loss" in training and "attn_entropy" not in training  # no statistics pass per step
+    assert sa["residual_rms"].shape == (4,) and sa["router_entropy"].shape == sa["layer_moe_aux_loss"].shape == (2,)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.top_k=5", "model.top_k"),
+        ("model.moe_every=0", "model.moe_every"),
+        ("model.moe_every=3", "model.moe_every"),  # 2 layers
+        ("model.capacity_factor=0", "model.capacity_factor"),
+        ("mesh.expert=3", "mesh.expert"),
+    ],
+)
+def test_impossible_moe_sizes_name_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.n_layers=2", "model.n_experts=4", override])
+    assert e.value.key == key
+
+
+def test_expert_mesh_axis_without_experts_is_refused():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["mesh.expert=2"])
+    assert e.value.key == "mesh.expert"
+
+
+# --- training --------------------------------------------------------------------------------------
+
+MOE_RUN = ("model.n_experts=4", "model.top_k=2", "model.moe_d_ff=32", "monitor.stats_every=5")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("moe-corpus") / "docs.jsonl", seed=3)
+
+
+def moe_run(corpus, workdir, *extra):
+    overrides = tiny_run_overrides(
+        corpus,
+        workdir.parent / "cache",
+        "checkpoint.every=5",
+        "train.eval_every=10",
+        "optim.warmup_steps=2",
+        "optim.schedule=constant",  # the same learning rate at a step whatever train.steps is
+        *MOE_RUN,
+        *extra,
+    )
+    return run(load_config(None, overrides), workdir, log=lambda _: None)
+
+
+@pytest.mark.slow
+def test_moe_run_logs_routing_and_resumes_bitwise(corpus, tmp_path):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    moe_run(corpus, reference, "train.steps=10")
+    moe_run(corpus, resumed, "train.steps=5")
+    moe_run(corpus, resumed, "train.steps=10")
+    assert logged(resumed, "loss") == logged(reference, "loss")
+    assert_bitwise_equal(final_params(resumed), final_params(reference))
+    for name in ("moe_aux_loss", "router_z_loss", "dropped_fraction", "expert_load_max"):
+        assert sorted(logged(reference, name)) == list(range(1, 11)), name
+    assert 0.9 < logged(reference, "moe_aux_loss")[10] < 2.0
+    loads = [logged(reference, f"expert_load_{e}")[10] for e in range(4)]
+    assert all(len(v) == 2 for v in loads)
+    np.testing.assert_allclose(np.sum(loads, axis=0), 2.0, rtol=1e-5)  # top-2: loads sum to k
+    assert len(logged(reference, "router_entropy")[10]) == 2
+    assert len(logged(reference, "layer_dropped_fraction")[10]) == 2
+
+
+def test_router_collapse_is_reported_when_it_happens_and_again_after_recovery():
+    monitor = Monitor(MonitorConfig())
+    loads = [0.5, 0.95, 0.97, 0.6, 0.92]
+    assert [monitor.router_collapse(x, n_experts=4, top_k=1) for x in loads] == [False, True, False, False, True]
+    restored = Monitor(MonitorConfig(), monitor.state())  # a resumed run does not report it again
+    assert not restored.router_collapse(0.99, n_experts=4, top_k=1)
+    assert not Monitor(MonitorConfig()).router_collapse(1.0, n_experts=2, top_k=2)  # every expert sees every token
+
+
+@pytest.mark.slow
+def test_cli_refuses_impossible_experts_in_one_line_with_exit_2():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    argv = [sys.executable, "train.py", "model.n_experts=2", "model.top_k=3", "--dry-run"]
+    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.top_k" in lines[0]
+
+
+def test_dropless_moe_decodes_from_the_cache_as_the_full_forward():
+    """Dropless routing is per token, so prefill and one-token steps equal the full forward (with a
+    capacity they need not: drops depend on the other tokens of the row)."""
+    from test_generate import check_cached_equals_full
+
+    check_cached_equals_full(moe_cfg(capacity_factor=None, moe_every=2, n_layers=4, n_shared_experts=1))

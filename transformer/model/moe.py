@@ -1,0 +1,184 @@
+"""The mixture-of-experts FFN: a router, E routed experts of width `moe_d_ff` (E x the FFN's weights,
+on the `experts` logical axis), optional shared experts every token goes through, and the routing
+losses.
+
+Axis legend, beside layers.py's: E experts, K experts per token (top_k), X slots per expert in a row
+(its capacity), M rows an expert computes (capacity slots of all rows, or assignments sorted by expert).
+
+Routing (`MoE.route`): `softmax` takes the top-k of softmax(logits); `sigmoid` (DeepSeek-V3) the top-k
+of sigmoid(logits). With top_k > 1 the k gates are renormalised to sum to 1; with top-1 the gate is
+the score itself (Switch), because a renormalised single gate is always 1 and the router would learn
+only from the balancing loss.
+
+Dispatch, decided in `MoE.__call__`:
+- capacity (`capacity_factor` set): each row (sequence) is a group; an expert takes at most
+  X = ceil(factor * T * K / E) of the row's assignments, first choices before second choices, in
+  token order (GShard/Switch). An assignment beyond X is dropped: it adds nothing, so a token whose
+  every assignment is dropped passes through on the residual stream. Dense einsums over one-hot
+  dispatch and combine tensors (B x T x E x X), which shard like everything else.
+- dropless (`capacity_factor: null`): every assignment is computed. The B*T*K assignments are
+  sorted by expert and multiplied with `jax.lax.ragged_dot`, which takes one group per expert.
+
+Losses (means over the batch's tokens): the Switch load-balancing loss E * sum_e f_e * P_e, where
+f_e is the fraction of assignments routed to e and P_e the mean routing probability of e (1 at
+uniform probabilities, E at collapse), and the router z-loss mean(logsumexp(logits)^2) (ST-MoE).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from transformer.config import ModelConfig
+from transformer.model.layers import ACTIVATIONS, FFN, InitScales, normal_param
+
+# Step metrics, and how each reduces over the MoE layers the per-layer value `layer_<name>` every MoE
+# layer sows on every forward pass (the busiest expert of any layer: a collapse anywhere shows). The
+# per-layer values keep their own names, as the stability statistics log them beside the step's.
+STEP_METRICS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "moe_aux_loss": jnp.mean,
+    "router_z_loss": jnp.mean,
+    "dropped_fraction": jnp.mean,
+    "expert_load_max": jnp.max,
+}
+
+
+class Routing(NamedTuple):
+    logits_BxTxE: jax.Array  # float32
+    probs_BxTxE: jax.Array  # a distribution over experts per token (what P_e averages)
+    expert_BxTxK: jax.Array  # int32, the chosen experts, best first
+    gate_BxTxK: jax.Array  # float32, the weight of each chosen expert's output
+
+
+def capacity(cfg: ModelConfig, T: int) -> int:
+    """Slots per expert in a row of T tokens (never more than T: a token picks an expert once)."""
+    assert cfg.capacity_factor is not None, "capacity applies to capacity-factor dispatch only"
+    return min(T, math.ceil(cfg.capacity_factor * T * cfg.top_k / cfg.n_experts))
+
+
+def capacity_dispatch(expert_BxTxK: jax.Array, gate_BxTxK: jax.Array, E: int, X: int):
+    """(dispatch, combine) [B, T, E, X] and the kept mask [B, T, K]: assignment (t, k) takes slot x of
+    its expert when x < X assignments are ahead of it (every first choice before any second)."""
+    B, T, K = expert_BxTxK.shape
+    onehot_BxKxTxE = jax.nn.one_hot(expert_BxTxK.swapaxes(1, 2), E, dtype=jnp.int32)
+    ahead = jnp.cumsum(onehot_BxKxTxE.reshape(B, K * T, E), axis=1).reshape(B, K, T, E) - onehot_BxKxTxE
+    position_BxKxT = jnp.sum(ahead * onehot_BxKxTxE, axis=-1)
+    kept_BxKxT = position_BxKxT < X
+    kept_BxKxTxE = onehot_BxKxTxE * kept_BxKxT[..., None]
+    slot_BxKxTxExX = kept_BxKxTxE[..., None] * jax.nn.one_hot(position_BxKxT, X)[:, :, :, None, :]
+    dispatch_BxTxExX = jnp.sum(slot_BxKxTxExX, axis=1)
+    combine_BxTxExX = jnp.einsum("BKTEX,BTK->BTEX", slot_BxKxTxExX, gate_BxTxK)
+    return dispatch_BxTxExX, combine_BxTxExX, kept_BxKxT.swapaxes(1, 2)
+
+
+def routing_losses(r: Routing, E: int) -> dict[str, jax.Array]:
+    """The Switch balancing loss and the router z-loss of one layer (means over tokens)."""
+    f_E = jnp.mean(jax.nn.one_hot(r.expert_BxTxK, E, dtype=jnp.float32), axis=(0, 1, 2))
+    p_E = jnp.mean(r.probs_BxTxE, axis=(0, 1))
+    return {
+        "moe_aux_loss": E * jnp.sum(f_E * p_E),
+        "router_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(r.logits_BxTxE, axis=-1))),
+    }
+
+
+def load_stats(r: Routing, E: int) -> dict[str, jax.Array]:
+    """The fraction of tokens routed to each expert (summing to top_k) and the router's mean entropy."""
+    load_E = jnp.mean(jnp.sum(jax.nn.one_hot(r.expert_BxTxK, E, dtype=jnp.float32), axis=2), axis=(0, 1))
+    p = r.probs_BxTxE
+    entropy = -jnp.mean(jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1))
+    return {"router_entropy": entropy, **{f"expert_load_{e}": load_E[e] for e in range(E)}}
+
+
+class MoE(nnx.Module):
+    """The FFN sublayer as a mixture of experts (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        E, D, F = cfg.n_experts, cfg.d_model, cfg.moe_d_ff
+        scales = InitScales.of(cfg)
+        self.router = normal_param(rngs, (D, E), ("embed", None), cfg.init_std, cfg)
+        if cfg.gated_ffn:  # gate and up projection fused: C = 2, as in FFN
+            self.w_in = normal_param(rngs, (E, D, 2, F), ("experts", "embed", None, "mlp"), scales.ffn_in, cfg)
+        else:
+            self.w_in = normal_param(rngs, (E, D, F), ("experts", "embed", "mlp"), scales.ffn_in, cfg)
+        self.w_out = normal_param(rngs, (E, F, D), ("experts", "mlp", "embed"), scales.ffn_out, cfg)
+        shared = cfg.n_shared_experts * F
+        # n shared experts are one FFN of n times the width: their hidden units simply add up
+        self.shared = FFN(cfg, rngs=rngs, width=shared) if shared else None
+
+    def route(self, x_BxTxD: jax.Array) -> Routing:
+        cfg = self.cfg
+        logits_BxTxE = jnp.einsum("BTD,DE->BTE", x_BxTxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        if cfg.router == "softmax":
+            scores_BxTxE = probs_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
+        else:
+            scores_BxTxE = jax.nn.sigmoid(logits_BxTxE)
+            probs_BxTxE = scores_BxTxE / jnp.sum(scores_BxTxE, axis=-1, keepdims=True)
+        gate_BxTxK, expert_BxTxK = jax.lax.top_k(scores_BxTxE, cfg.top_k)
+        if cfg.top_k > 1:
+            gate_BxTxK = gate_BxTxK / jnp.sum(gate_BxTxK, axis=-1, keepdims=True)
+        return Routing(logits_BxTxE, probs_BxTxE, expert_BxTxK.astype(jnp.int32), gate_BxTxK)
+
+    def experts(self, x_ExMxD: jax.Array) -> jax.Array:
+        """Each expert's FFN on its own rows: [E, M, D] -> [E, M, D]."""
+        act = ACTIVATIONS[self.cfg.ffn]
+        w_in = self.w_in[...].astype(x_ExMxD.dtype)
+        if self.cfg.gated_ffn:
+            h_ExMxCxF = jnp.einsum("EMD,EDCF->EMCF", x_ExMxD, w_in)
+            h_ExMxF = act(h_ExMxCxF[:, :, 0]) * h_ExMxCxF[:, :, 1]
+        else:
+            h_ExMxF = act(jnp.einsum("EMD,EDF->EMF", x_ExMxD, w_in))
+        return jnp.einsum("EMF,EFD->EMD", h_ExMxF, self.w_out[...].astype(x_ExMxD.dtype))
+
+    def with_capacity(self, x_BxTxD: jax.Array, r: Routing) -> tuple[jax.Array, jax.Array]:
+        """(output, kept mask [B, T, K]) with at most `capacity` assignments per expert and row."""
+        B, T, D = x_BxTxD.shape
+        E, X = self.cfg.n_experts, capacity(self.cfg, T)
+        dispatch_BxTxExX, combine_BxTxExX, kept_BxTxK = capacity_dispatch(r.expert_BxTxK, r.gate_BxTxK, E, X)
+        dtype = x_BxTxD.dtype
+        x_BxExXxD = jnp.einsum("BTEX,BTD->BEXD", dispatch_BxTxExX.astype(dtype), x_BxTxD)
+        x_ExMxD = x_BxExXxD.swapaxes(0, 1).reshape(E, B * X, D)
+        y_BxExXxD = self.experts(x_ExMxD).reshape(E, B, X, D).swapaxes(0, 1)
+        return jnp.einsum("BTEX,BEXD->BTD", combine_BxTxExX.astype(dtype), y_BxExXxD), kept_BxTxK
+
+    def dropless(self, x_BxTxD: jax.Array, r: Routing) -> jax.Array:
+        """Every assignment computed: assignments sorted by expert, one ragged matmul group each."""
+        cfg = self.cfg
+        B, T, D = x_BxTxD.shape
+        E, K, F = cfg.n_experts, cfg.top_k, cfg.moe_d_ff
+        expert_M = r.expert_BxTxK.reshape(-1)
+        order_M = jnp.argsort(expert_M, stable=True)
+        x_MxD = x_BxTxD.reshape(B * T, D)[order_M // K]
+        sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
+        dtype, act = x_BxTxD.dtype, ACTIVATIONS[cfg.ffn]
+        w_in = self.w_in[...].astype(dtype).reshape(E, D, -1)  # gated: [E, D, 2F], gate then up
+        h = jax.lax.ragged_dot(x_MxD, w_in, sizes_E)
+        h_MxF = act(h[:, :F]) * h[:, F:] if cfg.gated_ffn else act(h)
+        y_MxD = jax.lax.ragged_dot(h_MxF, self.w_out[...].astype(dtype), sizes_E)
+        y_BxTxKxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(B, T, K, D)
+        return jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, r.gate_BxTxK.astype(dtype))
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        """The FFN output. Sows the routing losses and statistics (`layer_` + each of STEP_METRICS,
+        each expert's load, the router's entropy): a few scalars, cheap beside the experts."""
+        cfg = self.cfg
+        r = self.route(x_BxTxD)
+        if cfg.capacity_factor is None:
+            y_BxTxD, dropped = self.dropless(x_BxTxD, r), jnp.float32(0.0)
+        else:
+            y_BxTxD, kept_BxTxK = self.with_capacity(x_BxTxD, r)
+            dropped = 1.0 - jnp.mean(kept_BxTxK.astype(jnp.float32))
+        if self.shared is not None:
+            y_BxTxD = y_BxTxD + self.shared(x_BxTxD)
+        load = load_stats(r, cfg.n_experts)
+        load_max = jnp.max(jnp.stack([load[f"expert_load_{e}"] for e in range(cfg.n_experts)]))
+        stats = {**routing_losses(r, cfg.n_experts), "dropped_fraction": dropped, "expert_load_max": load_max}
+        stats = {f"layer_{k}": v for k, v in stats.items()} | load
+        for name, value in stats.items():
+            self.sow(nnx.Intermediate, name, value)
+        return y_BxTxD
