@@ -102,7 +102,7 @@ def test_the_memory_bound_counts_one_chunk_of_logits():
     """The refusal before anything is built (sharding.training_bytes) must stay a lower bound."""
     from transformer.sharding import training_bytes
 
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
     cfg = Config(model=ModelConfig(vocab_size=50257), data=DataConfig(seq_len=8192), train=TrainConfig(batch_size=2))
     plain = dataclasses.replace(cfg, train=TrainConfig(batch_size=2, loss_chunk=0))
     assert cfg.loss_chunk == 4096
