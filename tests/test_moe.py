@@ -212,10 +212,13 @@ def test_impossible_moe_sizes_name_the_key(override, key):
     assert e.value.key == key
 
 
-def test_expert_mesh_axis_without_experts_is_refused():
+@pytest.mark.parametrize(
+    ("override", "key"), [("mesh.expert=2", "mesh.expert"), ("model.moe_d_ff=64", "model.moe_d_ff")]
+)
+def test_expert_settings_without_experts_are_refused(override, key):
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["mesh.expert=2"])
-    assert e.value.key == "mesh.expert"
+        load_config(None, [override])
+    assert e.value.key == key
 
 
 # --- training --------------------------------------------------------------------------------------

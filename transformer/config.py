@@ -303,10 +303,11 @@ class ModelConfig:
     def _check_moe(self) -> None:
         _check(self.moe_every >= 1, "moe_every", f"must be >= 1, got {self.moe_every}")
         _check(self.n_experts >= 0, "n_experts", f"must be >= 0 (0: dense), got {self.n_experts}")
+        if not self.n_experts:  # a dense model keeps moe_d_ff null, as exported HF configs do
+            _check(self.moe_d_ff is None, "moe_d_ff", "is an expert's width: set model.n_experts, or leave it out")
+            return
         if self.moe_d_ff is None:
             object.__setattr__(self, "moe_d_ff", self.d_ff)
-        if not self.n_experts:
-            return
         _check(
             1 <= self.top_k <= self.n_experts,
             "top_k",

@@ -49,7 +49,7 @@ def count_params(cfg: ModelConfig) -> int:
 
 def expert_params(cfg: ModelConfig) -> int:
     """One expert's weights (no biases): D x moe_d_ff in (twice when gated) and moe_d_ff x D out."""
-    return (3 if cfg.gated_ffn else 2) * cfg.d_model * cfg.moe_d_ff
+    return (3 if cfg.gated_ffn else 2) * cfg.d_model * cfg.moe_d_ff if cfg.n_experts else 0
 
 
 def active_params(cfg: ModelConfig) -> int:
