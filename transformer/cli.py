@@ -42,6 +42,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
+    from transformer.launch import add_arguments
+
+    add_arguments(p)  # claims, --shared, --launcher local|ray|slurm and their options
     return p
 
 
@@ -50,6 +53,9 @@ def _distributed(args) -> None:
     import jax
 
     if args.coordinator is None and args.num_processes is None:
+        return
+    if args.coordinator == "auto":  # a cluster JAX detects (SLURM, Open MPI, TPU pods) says who is who
+        jax.distributed.initialize()
         return
     if args.coordinator is None or args.num_processes is None or args.process_id is None:
         _fail("train.py", "--coordinator, --num-processes and --process-id go together")
@@ -75,8 +81,11 @@ def train_main(argv: list[str] | None = None) -> int:
     if sweep is not None:
         return _sweep_main(args, sweep)
     assert cfg is not None
-    if args.parallel != 1 or args.print_commands:
-        _fail("train.py", "--parallel and --print-commands are for sweep files (a config with a sweep: block)")
+    if args.parallel != 1 or args.print_commands or args.shared or args.launcher != "local":
+        _fail(
+            "train.py",
+            "--parallel, --print-commands, --shared and --launcher are for sweep files (a config with a sweep: block)",
+        )
     if args.dry_run:
         from transformer.model.summary import summary_text
 
@@ -85,7 +94,12 @@ def train_main(argv: list[str] | None = None) -> int:
         print(summary_text(cfg.model, cfg.data.seq_len))
         return 0
     _distributed(args)
-    return _train_job(cfg, Path(args.workdir) if args.workdir else _default_workdir(args.config))
+    workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)
+    if args.claim:  # a member run by a scheduler, a Ray task or a SLURM array task: claimed first
+        from transformer.launch import claimed
+
+        return claimed(cfg, workdir, args.stale_after, lambda: _train_job(cfg, workdir))
+    return _train_job(cfg, workdir)
 
 
 def _is_file(text: str) -> bool:
@@ -147,7 +161,14 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
 
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        outcome = run_sweep(sweep, workdir, args.parallel)
+        if args.launcher != "local":
+            from transformer.launch import launch
+
+            outcome = launch(args, sweep, workdir)
+            if outcome is None:  # submitted to a scheduler, not waited for
+                return 0
+        else:
+            outcome = run_sweep(sweep, workdir, args.parallel, shared=args.shared, stale_after=args.stale_after)
     except SweepError as e:
         _fail("train.py", f"config: {e}")
     except Busy as e:  # another sweep runs in this directory
