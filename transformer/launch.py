@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -91,6 +93,8 @@ def launch(args: argparse.Namespace, sweep: Sweep, workdir: Path) -> SweepOutcom
     if args.shared or args.parallel != 1:
         raise SweepError("", f"--shared and --parallel are for --launcher local; {args.launcher} schedules members")
     if args.launcher == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise SweepError("", "--launcher ray needs Ray: pip install 'transformer-ablations[ray]'")
         options = ray_options(sweep.launch.get("ray") or {})
         return RayLauncher(sweep, workdir, options, args.stale_after).run(args.ray_address)
     options = slurm_options(sweep.launch.get("slurm") or {}, args)
@@ -160,7 +164,6 @@ def run_member(cmd: list[str], log_path: str) -> int:
 
 def _death_signal() -> Callable[[], None]:
     import functools
-    import os
 
     return functools.partial(die_with, os.getpid(), prctl_function())
 
@@ -182,7 +185,10 @@ class RayLauncher:
         statuses = prepare(self.sweep, self.workdir)
         pending = [m for m in self.sweep.members if statuses[m.name] not in FINAL]
         self.done = len(self.sweep.members) - len(pending)
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # workers import this package (run_member) from this checkout: a cluster's nodes share its file system
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        runtime_env = {"env_vars": {"PYTHONPATH": path}}
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
         where = address or "a Ray instance started here"
         print(
             f"sweep {self.workdir}: {len(self.sweep.members)} members; {self.done} already done, {len(pending)} to run on {where}"
