@@ -20,10 +20,10 @@ from transformer import rundir
 from transformer.claims import Claim, claim_path, read_claim, run_claimed
 
 
-def write_claim(member, host="elsewhere", pid=1, token="old", age=0.0):
+def write_claim(member, host="elsewhere", pid=1, token="old", age=0.0, **more):
     path = claim_path(member)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"host": host, "pid": pid, "token": token}))
+    path.write_text(json.dumps({"host": host, "pid": pid, "token": token, **more}))
     os.utime(path, (time.time() - age, time.time() - age))
 
 
@@ -50,6 +50,19 @@ def test_a_live_claim_elsewhere_is_respected_a_silent_one_taken_over(tmp_path):
     claim.release()
     write_claim(tmp_path / "m", host=socket.gethostname(), pid=dead_pid())  # a dead process here: at once
     assert Claim(tmp_path / "m", stale_after=60).try_acquire() is None
+
+
+def test_a_requeued_slurm_task_takes_its_own_claim_back_at_once(tmp_path, monkeypatch):
+    """A requeued array task runs on any node, while its earlier attempt's claim still looks alive."""
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
+    write_claim(tmp_path / "m", host="node3", pid=99, slurm_task="7_2")
+    assert "host node3" in Claim(tmp_path / "m", stale_after=600).try_acquire()  # another task's member
+    write_claim(tmp_path / "m", host="node3", pid=99, slurm_task="7_1")
+    claim = Claim(tmp_path / "m", stale_after=600)
+    assert claim.try_acquire() is None
+    assert read_claim(claim_path(tmp_path / "m"))[0]["slurm_task"] == "7_1"
+    claim.release()
 
 
 def dead_pid() -> int:
