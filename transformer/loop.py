@@ -25,6 +25,7 @@ from transformer.monitor import Anomaly, Faults, Monitor, MonitorStop, Recovery
 from transformer.rundir import RunWriter
 from transformer.signals import Preempted, StopSignal
 from transformer.trainer import Trainer, TrainState, default_controls
+from transformer.wandb_sink import scalar_sinks
 
 
 @dataclasses.dataclass
@@ -76,7 +77,7 @@ class TrainLoop:
         self.checkpointer, self.stop = checkpointer, stop
         self.mesh = mesh or sharding.make_mesh(cfg)
         self.lead = jax.process_index() == 0
-        self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard)
+        self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard, scalar_sinks(cfg, workdir, self.lead))
         self.trainer = Trainer(cfg, self.mesh)
         self.peak = self._announce()
         self.state = start if start is not None else self.trainer.init(jax.random.key(cfg.train.seed))
