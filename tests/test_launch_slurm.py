@@ -157,3 +157,27 @@ def test_a_slurm_array_runs_the_sweep_and_a_resubmitted_script_runs_nothing_agai
     assert again.returncode == 0, again.stdout + again.stderr
     assert [(m / rundir.EVENTS).read_text() for m in members] == ended  # finished members are not rerun
     assert "finished already" in "".join(p.read_text() for p in (workdir / "logs").glob("slurm-*_*.log"))
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--launcher", "ray", "--parallel", "2"], "--parallel are for --launcher local"),
+        (["--launcher", "ray", "--wait"], "--wait: not an option of --launcher ray"),
+        (["--slurm-partition", "gpu"], "--slurm-partition: not an option of --launcher local"),
+        (["--claim"], "--claim is for one member's run"),
+        (["--stale-after", "0"], "--stale-after must be > 0"),
+        (["--launcher", "slurm", "--slurm-max-parallel", "0"], "sweep.slurm.max_parallel"),
+    ],
+)
+def test_launcher_options_that_do_not_fit_are_refused_in_one_line(argv, words):
+    from transformer.cli import train_parser
+    from transformer.launch import check_arguments
+
+    sweep = expand({"train": {"steps": 10}, "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}}})
+    args = train_parser().parse_args(["s.yaml", *argv])
+    try:
+        problem = check_arguments(args, sweep)
+    except SweepError as e:
+        problem = str(e)
+    assert problem is not None and words in problem and "\n" not in problem, problem

@@ -81,11 +81,11 @@ def train_main(argv: list[str] | None = None) -> int:
     if sweep is not None:
         return _sweep_main(args, sweep)
     assert cfg is not None
-    if args.parallel != 1 or args.print_commands or args.shared or args.launcher != "local":
+    if args.parallel != 1 or args.print_commands or args.launcher != "local":
         _fail(
-            "train.py",
-            "--parallel, --print-commands, --shared and --launcher are for sweep files (a config with a sweep: block)",
+            "train.py", "--parallel, --print-commands and --launcher are for sweep files (a config with a sweep: block)"
         )
+    _check_launch_arguments(args, None)
     if args.dry_run:
         from transformer.model.summary import summary_text
 
@@ -100,6 +100,18 @@ def train_main(argv: list[str] | None = None) -> int:
 
         return claimed(cfg, workdir, args.stale_after, lambda: _train_job(cfg, workdir))
     return _train_job(cfg, workdir)
+
+
+def _check_launch_arguments(args: argparse.Namespace, sweep: Sweep | None) -> None:
+    from transformer.launch import check_arguments
+    from transformer.sweep import SweepError
+
+    try:
+        problem = check_arguments(args, sweep)
+    except SweepError as e:
+        _fail("train.py", f"config: {e}")
+    if problem is not None:
+        _fail("train.py", problem)
 
 
 def _is_file(text: str) -> bool:
@@ -149,6 +161,7 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
         _fail("train.py", f"--parallel must be >= 1, got {args.parallel}")
     if args.coordinator is not None or args.num_processes is not None:
         _fail("train.py", "a sweep runs each member as its own process; hand --print-commands to your scheduler")
+    _check_launch_arguments(args, sweep)
     if args.dry_run:
         return _sweep_dry_run(sweep)
     workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem

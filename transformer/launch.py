@@ -83,6 +83,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--slurm-{key.replace('_', '-')}", default=None, metavar="VALUE", help=f"sbatch {key}")
 
 
+def check_arguments(args: argparse.Namespace, sweep: Sweep | None) -> str | None:
+    """What is wrong with the claim and launcher options for this command (a sweep file, or one run),
+    or None; the sweep's launch blocks are checked whichever launcher runs it."""
+    given = {f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k.startswith(("slurm_", "ray_")) and v}
+    given |= {"--wait"} if args.wait else set()
+    if args.stale_after <= 0:
+        return f"--stale-after must be > 0, got {args.stale_after:g}"
+    if sweep is None:
+        extra = given | {"--shared"} if args.shared else given
+        return f"{', '.join(sorted(extra))}: for sweep files (a config with a sweep: block)" if extra else None
+    if args.claim:
+        return "--claim is for one member's run; a sweep claims its members itself"
+    wrong = {o for o in given if not o.startswith(f"--{args.launcher}")} - (
+        {"--wait"} if args.launcher == "slurm" else set()
+    )
+    if wrong:
+        return f"{', '.join(sorted(wrong))}: not an option of --launcher {args.launcher}"
+    if args.launcher != "local" and (args.shared or args.parallel != 1):
+        return f"--shared and --parallel are for --launcher local; {args.launcher} schedules members itself"
+    ray_options(sweep.launch.get("ray") or {})  # a mistake in either block is one, whichever launcher runs
+    slurm_options(sweep.launch.get("slurm") or {}, args)
+    return None
+
+
 def claimed(cfg: Config, workdir: Path, stale_after: float, job: Callable[[], int]) -> int:
     """train.py --claim: run `job` under the run directory's claim; a finished run is left as it is."""
     return run_claimed(workdir, lambda: rundir.status(workdir, cfg.train.steps) in FINAL, job, stale_after)
@@ -90,8 +114,6 @@ def claimed(cfg: Config, workdir: Path, stale_after: float, job: Callable[[], in
 
 def launch(args: argparse.Namespace, sweep: Sweep, workdir: Path) -> SweepOutcome | None:
     """Run the sweep with `args.launcher` (ray or slurm); None when submitted and not waited for."""
-    if args.shared or args.parallel != 1:
-        raise SweepError("", f"--shared and --parallel are for --launcher local; {args.launcher} schedules members")
     if args.launcher == "ray":
         if importlib.util.find_spec("ray") is None:
             raise SweepError("", "--launcher ray needs Ray: pip install 'transformer-ablations[ray]'")
