@@ -10,6 +10,8 @@
       seeds: [0, 1]                  # train.seed of each member; members are named <variant>-s<seed>
       name: "{model.norm_position}-lr{optim.lr}-{attention}"   # default: the varied values joined
       compare: model.norm_position   # what the report's verdict compares (default: the first varied key)
+      ray: {num_cpus: 1}             # --launcher ray / slurm options (transformer/launch.py)
+      slurm: {partition: gpu, time: "04:00:00"}
 
 Everything outside `sweep:` is the base config every member shares. A member is the base with its
 values set, validated whole before any member starts. Running a sweep into DIR writes
