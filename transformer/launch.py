@@ -90,6 +90,8 @@ def check_arguments(args: argparse.Namespace, sweep: Sweep | None) -> str | None
     given |= {"--wait"} if args.wait else set()
     if args.stale_after <= 0:
         return f"--stale-after must be > 0, got {args.stale_after:g}"
+    if sweep is None and args.claim and args.coordinator is not None:
+        return "--claim is for single-process runs (a multi-process run is guarded by its run directory's lock)"
     if sweep is None:
         extra = given | {"--shared"} if args.shared else given
         return f"{', '.join(sorted(extra))}: for sweep files (a config with a sweep: block)" if extra else None
@@ -329,7 +331,8 @@ def slurm_script(sweep: Sweep, workdir: Path, options: dict) -> str:
     """The job array's batch script: task i runs member i, claimed (a requeued task takes its own
     claim back at once) and resumed from its checkpoint when it has one. A member that stops on the
     time limit's SIGTERM (exit 75) requeues its task. Multi-node members run one process per node
-    under srun, joined by jax.distributed.initialize() from SLURM's environment."""
+    under srun, joined by jax.distributed.initialize() from SLURM's environment, unclaimed: their
+    processes cannot share one claim, and process 0's run-directory lock keeps a second copy out."""
     workdir = workdir.resolve()
     names = " ".join(shlex.quote(m.name) for m in sweep.members)
     multi = int(options.get("nodes") or 1) > 1

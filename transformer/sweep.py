@@ -390,7 +390,8 @@ class SweepRunner:
 
     Each member is claimed before it starts (transformer/claims.py), so that other runners on the
     same directory (`--shared`) leave it alone; a member another runner holds is deferred, and taken
-    up when its claim is let go (or goes stale) unfinished, or counted done when it finishes.
+    up when its claim is let go (or goes stale) unfinished, or counted done when it finishes. (So a
+    member that failed under another runner is tried once more here: it may have been that machine.)
     """
 
     def __init__(
