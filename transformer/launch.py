@@ -12,6 +12,7 @@ and `eval.py --compare DIR` work as they do locally. Launch options come from th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib.util
 import math
@@ -19,6 +20,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,16 +173,23 @@ def member_resources(options: dict, cfg: Config) -> dict[str, Any]:
 
 def run_member(cmd: list[str], log_path: str) -> int:
     """A Ray task: one member's train.py, its output appended to its log. Cancelling the task (the
-    sweep was interrupted) asks the member to checkpoint and exit, as SIGTERM does locally; the
-    member also gets SIGTERM if this worker dies."""
+    sweep was interrupted) asks the member to checkpoint and exit, as SIGTERM does locally. (A sweep
+    killed outright takes its tasks down with it: Ray kills a dead driver's workers and their
+    children, so such a member resumes from its last periodic checkpoint.)"""
     import signal
 
+    with contextlib.suppress(ValueError):  # (not the main thread: Ray interrupts it otherwise)
+        # ray.cancel interrupts the task as SIGINT would, which does nothing where SIGINT is ignored
+        # (a worker of a sweep started in the background by a shell)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(log_path, "a") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=_death_signal(), start_new_session=True
         )
         try:
-            return proc.wait()
+            while proc.poll() is None:  # not a blocking wait: ray.cancel's KeyboardInterrupt needs bytecode to land
+                time.sleep(0.5)
+            return proc.returncode
         except KeyboardInterrupt:  # ray.cancel
             proc.send_signal(signal.SIGTERM)
             return proc.wait()
@@ -244,11 +253,13 @@ class RayLauncher:
 
         bar = tqdm(total=len(self.sweep.members), initial=self.done, unit="member", disable=None)
         previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        cancelled = False
         try:
             while tasks:
-                if self.signalled:
+                if self.signalled and not cancelled:  # once: a second interrupt would cut the checkpoint short
                     for ref in tasks:
                         ray.cancel(ref)
+                    cancelled = True
                 ready, _ = ray.wait(list(tasks), num_returns=1, timeout=1.0)
                 for ref in ready:
                     self.finish(tasks.pop(ref), _exit_code(ray, ref), bar.write)
