@@ -4,6 +4,7 @@ the config and is in its sweep's group."""
 
 import json
 import struct
+import time
 
 import pytest
 
@@ -63,6 +64,10 @@ def test_offline_wandb_run_holds_the_same_scalars_as_metrics_jsonl_in_the_sweeps
     )
     run(cfg, study / "member", log=lambda _: None)
     (path,) = (study / "member" / "wandb").glob("offline-run-*/run-*.wandb")
+    # wandb-core, a process of its own, may still be writing after finish() returned: wait for the exit record
+    deadline = time.monotonic() + 60
+    while not any(r.HasField("exit") for r in records(path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     history, runs = {}, []
     for record in records(path):
         if record.HasField("history"):
