@@ -6,6 +6,7 @@ it is, which finds both members finished and runs nothing again."""
 import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -93,12 +94,14 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def start_munge() -> None:
+def start_munge() -> int | None:
+    """Start munged unless it runs already; the pid of the one started here."""
     if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0:
-        return  # already running
+        return None  # already running: not ours to stop
     os.makedirs("/run/munge", exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", "munged"], check=True)
+    return int(open("/run/munge/munged.pid").read())
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +120,16 @@ def slurm(tmp_path_factory):
     )
     (directory / "slurm.conf").write_text(conf)
     env = {**os.environ, "SLURM_CONF": str(directory / "slurm.conf")}
-    start_munge()
-    subprocess.run(["slurmctld", "-f", env["SLURM_CONF"]], env=env, check=True)
-    subprocess.run(["slurmd", "-f", env["SLURM_CONF"]], env=env, check=True)
+    munged = start_munge()
     try:
+        subprocess.run(["slurmctld", "-f", env["SLURM_CONF"]], env=env, check=True)
+        subprocess.run(["slurmd", "-f", env["SLURM_CONF"]], env=env, check=True)
         wait_for_idle_node(env, directory)
         yield env
     finally:
         subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True)
+        if munged is not None:
+            os.kill(munged, signal.SIGTERM)
 
 
 def wait_for_idle_node(env, directory, timeout=60) -> None:
