@@ -49,6 +49,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
+    from transformer.launch import add_arguments
+
+    add_arguments(p)  # claims, --shared, --launcher local|ray|slurm and their options
     return p
 
 
@@ -57,6 +60,9 @@ def _distributed(args) -> None:
     import jax
 
     if args.coordinator is None and args.num_processes is None:
+        return
+    if args.coordinator == "auto":  # a cluster JAX detects (SLURM, Open MPI, TPU pods) says who is who
+        jax.distributed.initialize()
         return
     if args.coordinator is None or args.num_processes is None or args.process_id is None:
         _fail("train.py", "--coordinator, --num-processes and --process-id go together")
@@ -91,8 +97,11 @@ def train_main(argv: list[str] | None = None) -> int:
     if sweep is not None:
         return _sweep_main(args, sweep)
     assert cfg is not None
-    if args.parallel != 1 or args.print_commands:
-        _fail("train.py", "--parallel and --print-commands are for sweep files (a config with a sweep: block)")
+    if args.parallel != 1 or args.print_commands or args.launcher != "local":
+        _fail(
+            "train.py", "--parallel, --print-commands and --launcher are for sweep files (a config with a sweep: block)"
+        )
+    _check_launch_arguments(args, None)
     if args.topology is not None and not args.preflight:
         _fail("train.py", "--topology goes with --preflight (it compiles for a TPU slice, it cannot run there)")
     if args.preflight:
@@ -105,7 +114,24 @@ def train_main(argv: list[str] | None = None) -> int:
         print(summary_text(cfg.model, cfg.data.seq_len))
         return 0
     _distributed(args)
-    return _train_job(cfg, Path(args.workdir) if args.workdir else _default_workdir(args.config))
+    workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)
+    if args.claim:  # a member run by a scheduler, a Ray task or a SLURM array task: claimed first
+        from transformer.launch import claimed
+
+        return claimed(cfg, workdir, args.stale_after, lambda: _train_job(cfg, workdir))
+    return _train_job(cfg, workdir)
+
+
+def _check_launch_arguments(args: argparse.Namespace, sweep: Sweep | None) -> None:
+    from transformer.launch import check_arguments
+    from transformer.sweep import SweepError
+
+    try:
+        problem = check_arguments(args, sweep)
+    except SweepError as e:
+        _fail("train.py", f"config: {e}")
+    if problem is not None:
+        _fail("train.py", problem)
 
 
 def _preflight_main(configs: list[tuple[str, Config]], topology: str | None) -> int:
@@ -178,6 +204,7 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
         _fail("train.py", f"--parallel must be >= 1, got {args.parallel}")
     if args.coordinator is not None or args.num_processes is not None:
         _fail("train.py", "a sweep runs each member as its own process; hand --print-commands to your scheduler")
+    _check_launch_arguments(args, sweep)
     if args.dry_run:
         return _sweep_dry_run(sweep)
     if args.preflight:
@@ -192,7 +219,14 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
 
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        outcome = run_sweep(sweep, workdir, args.parallel)
+        if args.launcher != "local":
+            from transformer.launch import launch
+
+            outcome = launch(args, sweep, workdir)
+            if outcome is None:  # submitted to a scheduler, not waited for
+                return 0
+        else:
+            outcome = run_sweep(sweep, workdir, args.parallel, shared=args.shared, stale_after=args.stale_after)
     except SweepError as e:
         _fail("train.py", f"config: {e}")
     except Busy as e:  # another sweep runs in this directory

@@ -13,6 +13,7 @@ downstream recomputes them.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 from pathlib import Path
@@ -700,12 +701,35 @@ class FaultsConfig:
         _check(self.lr_multiplier > 0, "lr_multiplier", f"must be > 0, got {self.lr_multiplier}")
 
 
+WandbMode = Literal["disabled", "online", "offline"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (the optional `wandb` extra), off unless `mode` is online or offline (offline
+    needs no network: `wandb sync` uploads later). A sweep's members are runs of one group, named
+    after the sweep's directory unless `group` is given."""
+
+    mode: WandbMode = "disabled"
+    project: str | None = None
+    entity: str | None = None
+    group: str | None = None
+
+    def __post_init__(self):
+        _check(
+            self.mode == "disabled" or importlib.util.find_spec("wandb") is not None,
+            "mode",
+            "needs wandb: pip install 'transformer-ablations[wandb]'",
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     every: int = 10
     tensorboard: bool = True
     progress: bool = True
     profile: str | None = None  # "START:STOP": a jax.profiler trace of steps START..STOP-1 (transformer/profile.py)
+    wandb: WandbConfig = WandbConfig()
 
     def __post_init__(self):
         _check_ints(self)

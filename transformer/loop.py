@@ -28,6 +28,7 @@ from transformer.profile import ProfileWindow
 from transformer.rundir import RunWriter
 from transformer.signals import Preempted, StopSignal
 from transformer.trainer import Trainer, TrainState, default_controls
+from transformer.wandb_sink import scalar_sinks
 
 
 def _process() -> tuple[int, int]:
@@ -83,7 +84,7 @@ class TrainLoop:
         self.checkpointer, self.stop = checkpointer, stop
         self.mesh = mesh or sharding.make_mesh(cfg)
         self.lead = jax.process_index() == 0
-        self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard)
+        self.writer = RunWriter(workdir, self.lead, cfg.logging.tensorboard, scalar_sinks(cfg, workdir, self.lead))
         trace_dir = workdir / rundir.TENSORBOARD if workdir is not None and self.lead else None
         self.profile = ProfileWindow(cfg.logging.profile_steps, trace_dir, log)
         self.trainer = Trainer(cfg, self.mesh)

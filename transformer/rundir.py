@@ -25,8 +25,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -186,13 +187,33 @@ def _jsonable(value):
     return value
 
 
-class RunWriter:
-    """Appends one run's metrics and events (and TensorBoard scalars). On processes other than 0,
-    or without a directory, every call is a no-op."""
+class ScalarSink(Protocol):
+    """Somewhere else the scalars go, as TensorBoard's tags (transformer/wandb_sink.py)."""
 
-    def __init__(self, workdir: Path | None, enabled: bool, tensorboard: bool):
+    def scalars(self, step: int, tags: list[tuple[str, float]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalar_tags(values: dict[str, Any]) -> list[tuple[str, float]]:
+    """The scalars of a metrics record as TensorBoard shows them: per-layer lists one tag per layer."""
+    tags = []
+    for k, v in values.items():
+        if isinstance(v, (list, tuple)):
+            tags += [(f"{k}/layer_{i}", float(x)) for i, x in enumerate(v)]
+        elif isinstance(v, (int, float, np.generic)):
+            tags.append((k, float(v)))
+    return tags
+
+
+class RunWriter:
+    """Appends one run's metrics and events (and TensorBoard scalars, and those of `sinks`). On
+    processes other than 0, or without a directory, every call is a no-op."""
+
+    def __init__(self, workdir: Path | None, enabled: bool, tensorboard: bool, sinks: Sequence[ScalarSink] = ()):
         self.enabled = enabled and workdir is not None
         self.tb = None
+        self.sinks = sinks
         if workdir is None or not self.enabled:
             return
         workdir.mkdir(parents=True, exist_ok=True)
@@ -209,18 +230,15 @@ class RunWriter:
         record = {"step": step, **{k: _jsonable(v) for k, v in values.items()}}
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
+        tags = scalar_tags(values)
         if self.tb is not None:
-            self._tensorboard(step, values)
+            self._tensorboard(step, tags)
+        for sink in self.sinks:
+            sink.scalars(step, tags)
 
-    def _tensorboard(self, step: int, values: dict[str, Any]) -> None:
+    def _tensorboard(self, step: int, tags: list[tuple[str, float]]) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
-        tags = []
-        for k, v in values.items():
-            if isinstance(v, (list, tuple)):  # per-layer values: one tag per layer
-                tags += [(f"{k}/layer_{i}", x) for i, x in enumerate(v)]
-            elif isinstance(v, (int, float, np.generic)):
-                tags.append((k, v))
         summary = summary_pb2.Summary(
             value=[summary_pb2.Summary.Value(tag=tag, simple_value=float(x)) for tag, x in tags]
         )
@@ -241,6 +259,8 @@ class RunWriter:
         self.events.close()
         if self.tb is not None:
             self.tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 # --- the one writer --------------------------------------------------------------------------------

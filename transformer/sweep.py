@@ -10,6 +10,8 @@
       seeds: [0, 1]                  # train.seed of each member; members are named <variant>-s<seed>
       name: "{model.norm_position}-lr{optim.lr}-{attention}"   # default: the varied values joined
       compare: model.norm_position   # what the report's verdict compares (default: the first varied key)
+      ray: {num_cpus: 1}             # --launcher ray / slurm options (transformer/launch.py)
+      slurm: {partition: gpu, time: "04:00:00"}
 
 Everything outside `sweep:` is the base config every member shares. A member is the base with its
 values set, validated whole before any member starts. Running a sweep into DIR writes
@@ -21,6 +23,7 @@ the monitor stopped (a result, not a crash), are not run again; interrupted ones
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import difflib
@@ -39,13 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from transformer import rundir
+from transformer.claims import STALE_AFTER, Claim, claim_path, is_stale, read_claim
 from transformer.config import ROOT, Config, ConfigError, config_changes, flatten
 from transformer.config_loader import all_keys, from_dict, load_raw
 from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from transformer.rundir import FINAL, atomic_write, read_events
 from transformer.signals import PARENT_PID_ENV
 
-SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare")
+SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare", "ray", "slurm")  # ray, slurm: transformer/launch.py
 MANIFEST = "sweep.json"
 MEMBERS_DIR = "members"  # resolved member configs
 LOGS_DIR = "logs"  # member output when several run at once
@@ -79,6 +83,7 @@ class Sweep:
     members: tuple[Member, ...]
     keys: tuple[str, ...]  # varied config keys and labels, in file order (train.seed not included)
     compare: str
+    launch: dict[str, Any] = dataclasses.field(default_factory=dict)  # sweep.ray, sweep.slurm (launch.py checks them)
 
     def manifest(self) -> dict:
         return {
@@ -197,7 +202,8 @@ def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = (
             _check_name(member.name, assigned, names)
             names[member.name] = assigned
             members.append(member)
-    return Sweep(source, tuple(members), tuple(keys), compare)
+    launch = {k: spec[k] for k in ("ray", "slurm") if k in spec}
+    return Sweep(source, tuple(members), tuple(keys), compare, launch)
 
 
 def _spec(spec: Any) -> dict:
@@ -308,9 +314,12 @@ def member_config_path(workdir: Path, name: str) -> Path:
     return workdir / MEMBERS_DIR / f"{name}.yaml"
 
 
-def command(member_config: Path, workdir: Path, python: str = "python") -> list[str]:
-    """The train.py command line that runs one member into its run directory."""
-    return [python, relative(TRAIN_SCRIPT), relative(member_config), "--workdir", relative(workdir)]
+def command(member_config: Path, workdir: Path, python: str = "python", claim: bool = False) -> list[str]:
+    """The train.py command line that runs one member into its run directory; with `claim`, one that
+    claims the member first (transformer/claims.py), for commands run by others than a sweep runner."""
+    return [python, relative(TRAIN_SCRIPT), relative(member_config), "--workdir", relative(workdir)] + (
+        ["--claim"] if claim else []
+    )
 
 
 def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
@@ -338,7 +347,7 @@ def print_commands(sweep: Sweep, workdir: Path, log: Callable[[str], None] = pri
     statuses = prepare(sweep, workdir)
     for m in sweep.members:
         if statuses[m.name] not in FINAL:
-            log(shlex.join(command(member_config_path(workdir, m.name), workdir / m.name)))
+            log(shlex.join(command(member_config_path(workdir, m.name), workdir / m.name, claim=True)))
     log(f"# then: python eval.py --compare {shlex.quote(relative(workdir))}")
 
 
@@ -378,6 +387,11 @@ class SweepRunner:
     The first SIGINT/SIGTERM to the sweep asks each running member to checkpoint and exit, a second
     makes them exit at once; either way nothing more is started. A member that fails with exit 2 (a
     user mistake, which would repeat in every member) stops the sweep from starting the rest.
+
+    Each member is claimed before it starts (transformer/claims.py), so that other runners on the
+    same directory (`--shared`) leave it alone; a member another runner holds is deferred, and taken
+    up when its claim is let go (or goes stale) unfinished, or counted done when it finishes. (So a
+    member that failed under another runner is tried once more here: it may have been that machine.)
     """
 
     def __init__(
@@ -387,8 +401,12 @@ class SweepRunner:
         statuses: dict[str, str],
         parallel: int = 1,
         log: Callable[[str], None] = print,
+        stale_after: float = STALE_AFTER,
     ):
         self.sweep, self.workdir, self.statuses, self.parallel, self.log = sweep, workdir, statuses, parallel, log
+        self.stale_after = stale_after
+        self.claims: dict[str, Claim] = {}  # the members this runner holds
+        self.deferred: list[Member] = []  # members other runners hold
         self.pending = [m for m in sweep.members if statuses[m.name] not in FINAL]
         self.done = len(sweep.members) - len(self.pending)  # finished before this run
         self.launched = 0
@@ -405,16 +423,20 @@ class SweepRunner:
         self.log(f"sweep {self.workdir}: {total} members; {self.done} already done, {len(self.pending)} to run, {mode}")
         previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while self.pending or self.running:
+            while self.pending or self.running or self.deferred:
                 while self.pending and len(self.running) < self.parallel and not self.signals:
                     self.launch(self.pending.pop(0))
-                if self.pending and self.signals:
+                if self.signals:
                     self.pending.clear()
+                    self.deferred.clear()
                 time.sleep(POLL_SECONDS)
                 self.poll()
+                self.recheck_deferred()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            for claim in self.claims.values():
+                claim.release()
         return SweepOutcome(self.failed, self.preempted, bool(self.signals))
 
     def on_signal(self, signum: int, frame: Any) -> None:
@@ -425,10 +447,10 @@ class SweepRunner:
 
     def launch(self, m: Member) -> None:
         """Start one member's train.py, in its own session (so a Ctrl-C reaches only the sweep, which
-        passes it on once, as SIGTERM), bound to die with the sweep (see `_die_with`). A copy of the
+        passes it on once, as SIGTERM), bound to die with the sweep (see `die_with`). A copy of the
         member still running from an earlier sweep (killed at once, before its members could stop)
         is waited for first, never run beside."""
-        if not self.wait_for_earlier_copy(m):
+        if not self.take(m):
             return
         out = None
         if self.parallel > 1:  # interleaved progress bars help nobody: each member logs to a file
@@ -444,11 +466,52 @@ class SweepRunner:
             stderr=subprocess.STDOUT if out else None,
             env={**self.env, PARENT_PID_ENV: str(os.getpid())},
             start_new_session=True,
-            preexec_fn=functools.partial(_die_with, os.getpid(), _prctl()),
+            preexec_fn=functools.partial(die_with, os.getpid(), prctl_function()),
         )
         if out is not None:
             out.close()
         self.running[m.name] = (m, proc, time.monotonic())
+
+    def take(self, m: Member) -> bool:
+        """Claim member `m` for this runner: False (and `m` deferred, or done) when another runner
+        holds it or has finished it, or when `wait_for_earlier_copy` says not to launch it."""
+        claim = Claim(self.workdir / m.name, self.stale_after, on_lost=functools.partial(self.on_lost, m.name))
+        holder = claim.try_acquire()
+        if holder is not None:
+            self.log(f"  {m.name}: claimed by {holder}; left to it")
+            self.deferred.append(m)
+            return False
+        self.statuses[m.name] = rundir.status(self.workdir / m.name, m.config.train.steps)
+        if self.statuses[m.name] not in FINAL and self.wait_for_earlier_copy(m):
+            self.claims[m.name] = claim
+            return True
+        if self.statuses[m.name] in FINAL:
+            self.done += 1
+            self.log(
+                f"  {m.name}: {self.statuses[m.name]} already (by another runner){result_summary(self.workdir / m.name)}"
+            )
+        claim.release()
+        return False
+
+    def on_lost(self, name: str) -> None:
+        """Member `name`'s claim was taken over (this runner was frozen past the stale timeout): stop
+        its process as a preemption, so that two never write the member at once for long."""
+        self.log(f"  {name}: its claim was taken over by another runner; stopping it")
+        if name in self.running:
+            self.running[name][1].send_signal(signal.SIGTERM)
+
+    def recheck_deferred(self) -> None:
+        """Members other runners held: done once finished, back to pending once let go unfinished."""
+        for m in list(self.deferred):
+            status = rundir.status(self.workdir / m.name, m.config.train.steps)
+            seen = read_claim(claim_path(self.workdir / m.name))
+            if status in FINAL:
+                self.deferred.remove(m)
+                self.done += 1
+                self.log(f"  {m.name}: {status} (by another runner){result_summary(self.workdir / m.name)}")
+            elif seen is None or is_stale(*seen, self.stale_after):
+                self.deferred.remove(m)
+                self.pending.append(m)
 
     def wait_for_earlier_copy(self, m: Member) -> bool:
         """Wait while another process (an orphan of a killed sweep) holds member `m`'s run directory.
@@ -461,9 +524,6 @@ class SweepRunner:
             time.sleep(POLL_SECONDS)
             self.poll()
         self.statuses[m.name] = rundir.status(self.workdir / m.name, m.config.train.steps)
-        if self.statuses[m.name] in FINAL:
-            self.done += 1
-            self.log(f"  {m.name}: {self.statuses[m.name]} (by that copy){_summary(self.workdir / m.name)}")
         return not self.signals and self.statuses[m.name] not in FINAL
 
     def poll(self) -> None:
@@ -472,13 +532,14 @@ class SweepRunner:
             rc = proc.poll()
             if rc is not None:
                 del self.running[name]
+                self.claims.pop(name).release()
                 self.finish(m, rc, time.monotonic() - started)
 
     def finish(self, m: Member, rc: int, seconds: float) -> None:
         """Log how a member ended, and note a failure or a preemption."""
         status = rundir.status(self.workdir / m.name, m.config.train.steps)
         if rc == 0 or status in FINAL:
-            self.log(f"  {m.name}: {status} in {seconds:.0f} s{_summary(self.workdir / m.name)}")
+            self.log(f"  {m.name}: {status} in {seconds:.0f} s{result_summary(self.workdir / m.name)}")
         elif rc == EXIT_PREEMPTED:
             self.preempted.append(m.name)
             self.log(f"  {m.name}: preempted after {seconds:.0f} s; it resumes when the sweep is run again")
@@ -491,15 +552,23 @@ class SweepRunner:
                 self.pending.clear()
 
 
-def run_sweep(sweep: Sweep, workdir: Path, parallel: int = 1, log: Callable[[str], None] = print) -> SweepOutcome:
+def run_sweep(
+    sweep: Sweep,
+    workdir: Path,
+    parallel: int = 1,
+    log: Callable[[str], None] = print,
+    shared: bool = False,
+    stale_after: float = STALE_AFTER,
+) -> SweepOutcome:
     """Prepare the sweep in `workdir` and run its unfinished members, `parallel` at a time (see
     SweepRunner). The report is not written here: `transformer.render.write_report` does that.
-    One sweep at a time runs in a directory: rundir.Busy names the one already running there."""
-    with rundir.RunLock(workdir):
-        return SweepRunner(sweep, workdir, prepare(sweep, workdir), parallel, log).run()
+    One sweep at a time runs in a directory (rundir.Busy names the one already running there), unless
+    it is `shared`: then runners on any number of machines work on it together, member by member."""
+    with contextlib.nullcontext() if shared else rundir.RunLock(workdir):
+        return SweepRunner(sweep, workdir, prepare(sweep, workdir), parallel, log, stale_after).run()
 
 
-def _prctl() -> Callable[..., int] | None:
+def prctl_function() -> Callable[..., int] | None:
     """Linux's prctl(2), looked up before the fork (a child between fork and exec should do little)."""
     try:
         return ctypes.CDLL(None, use_errno=True).prctl
@@ -507,7 +576,7 @@ def _prctl() -> Callable[..., int] | None:
         return None
 
 
-def _die_with(sweep_pid: int, prctl: Callable[..., int] | None) -> None:
+def die_with(sweep_pid: int, prctl: Callable[..., int] | None) -> None:
     """In a member, between fork and exec: have the kernel send it SIGTERM when the sweep dies, even
     by SIGKILL (it then checkpoints and exits 75, as on a Ctrl-C passed on), so that no member
     outlives its sweep to run beside the copy a rerun starts. If the sweep is gone already, it ends
@@ -518,7 +587,7 @@ def _die_with(sweep_pid: int, prctl: Callable[..., int] | None) -> None:
         os._exit(EXIT_PREEMPTED)
 
 
-def _summary(workdir: Path) -> str:
+def result_summary(workdir: Path) -> str:
     """', val loss 1.234' from a finished member's end event, if it has one."""
     ends = read_events(workdir, "end")
     try:
