@@ -157,15 +157,15 @@ def test_several_runners_run_every_member_once_and_take_over_a_killed_runners_me
         **TINY_SWEEP,
         "train": {**TINY_SWEEP["train"], "steps": 40, "eval_every": 20},
         "checkpoint": {"every": 10, "async": False},
-        "sweep": {"grid": {"model.norm_position": ["pre", "post", "sandwich"]}},
+        "sweep": {"grid": {"model.norm_position": ["pre", "post"]}},
     }
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
     argv = [sys.executable, str(ROOT / "train.py"), str(tmp_path / "sweep.yaml"), "--workdir", str(tmp_path)]
     runners = [
         subprocess.Popen([*argv, "--shared"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(3)
+        for _ in range(2)  # two runners, two members: the property needs no more, and each costs CI a compile
     ]
-    members = [tmp_path / f"norm_position-{p}" for p in ("pre", "post", "sandwich")]
+    members = [tmp_path / f"norm_position-{p}" for p in ("pre", "post")]
     victim = wait_for_a_member_training(members, runners)
     runners[victim[0]].send_signal(signal.SIGKILL)  # mid-member: its member checkpoints on its death and stops
     outputs = [r.communicate(timeout=600)[0] for r in runners]
