@@ -95,10 +95,11 @@ def main() -> None:
     ):
         variant = load_config(None, [f"data.seq_len={P}", *args.overrides, *extra]).model
         caches = jax.eval_shape(lambda v=variant: Transformer(v, rngs=nnx.Rngs(0)).init_cache(1, P))
-        measured = sum(layer["k"].size * layer["k"].dtype.itemsize * 2 for layer in caches)
+        # every cached array but the positions: K and V, or MLA's latent and rope key
+        measured = sum(a.size * a.dtype.itemsize for layer in caches for name, a in layer.items() if name != "pos")
         closed = kv_cache_bytes_per_token(variant) * P
         bound = "" if variant.window is None else f" (bounded by the window: {variant.window} of {P} entries)"
-        print(f"  {name:<11} {measured:>10,} bytes; closed form 2*L*K*H*bytes*T = {closed:>10,}{bound}")
+        print(f"  {name:<11} {measured:>10,} bytes; closed form {closed:>10,}{bound}")
 
 
 if __name__ == "__main__":
