@@ -1,7 +1,8 @@
 """Trains one tiny config on several meshes in one process (fake CPU devices); prints JSON results.
 
 Run by tests/test_trainer.py in a subprocess, because the device count must be fixed before JAX starts:
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_worker.py CORPUS CACHE MESHES_JSON
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_worker.py CORPUS CACHE MESHES_JSON \
+        [CONFIG [OVERRIDES_JSON]]
 """
 
 import json
@@ -40,6 +41,7 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
                 "logging.progress=false",
                 "logging.tensorboard=false",
                 "optim.warmup_steps=5",
+                *(json.loads(sys.argv[5]) if len(sys.argv) > 5 else []),
                 *overrides,
             ],
         )
@@ -49,12 +51,9 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
         losses = []
         train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda step, m, out=losses: out.append(m["loss"]))
         specs = Trainer(cfg, mesh).state_shardings.params
-        named = {
-            "qkv": str(specs["blocks"]["attn"]["qkv"].spec),
-            "out": str(specs["blocks"]["attn"]["out"].spec),
-            "w_in": str(specs["blocks"]["ffn"]["w_in"].spec),
-            "embed": str(specs["embed"].spec),
-        }
+        attn = specs["blocks"]["attn"]
+        named = {name: str(attn[name].spec) for name in ("qkv", "out", "wk_up", "wv_up") if name in attn}
+        named |= {"w_in": str(specs["blocks"]["ffn"]["w_in"].spec), "embed": str(specs["embed"].spec)}
         if "moe_blocks" in specs:  # a config with interleaved mixture-of-experts layers
             named["experts"] = str(specs["moe_blocks"]["ffn"]["w_in"].spec)
         results.append({"mesh": dict(mesh.shape), "losses": losses, "specs": named})

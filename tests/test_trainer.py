@@ -87,6 +87,30 @@ def test_losses_identical_across_meshes(corpus, tmp_path):
 
 
 @pytest.mark.slow
+def test_mla_losses_identical_across_meshes(corpus, tmp_path):
+    """MLA's latents and up-projections shard by their logical axes like every other layer."""
+    meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
+    config = tmp_path / "mla.yaml"
+    config.write_text("model:\n  attention: mla\n  position: rope\n  kv_lora_rank: 16\n  q_lora_rank: 24\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    extra = json.dumps(["model.n_kv_heads=8"])  # MLA has no kv heads: the worker's GQA default must go
+    worker = [
+        str(ROOT / "tests" / "mesh_worker.py"),
+        str(corpus),
+        str(tmp_path),
+        json.dumps(meshes),
+        str(config),
+        extra,
+    ]
+    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for r in results[1:]:
+        np.testing.assert_allclose(r["losses"], results[0]["losses"], rtol=1e-5, err_msg=str(r["mesh"]))
+    assert results[2]["specs"]["wk_up"] == "P(None, None, 'tensor', None)"  # heads split over tensor
+
+
+@pytest.mark.slow
 def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
     one, r1 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=1"))
     four, r4 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=4"))
