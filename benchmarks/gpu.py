@@ -19,20 +19,19 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from throughput import Stepper
 
 from transformer import accelerator, preflight, sharding
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
 from transformer.metrics import device_peak_flops
 from transformer.model.summary import count_params, flops_per_token
-from transformer.trainer import Trainer, default_controls
 
 COMMON = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.seq_len=2048", "optim.name=adamw"]
 MODELS = {  # GPT-2 small / medium (learned positions, LayerNorm, GELU, tied) and a Llama-3.2-1B shape
@@ -79,22 +78,9 @@ def fitting_config(model: str, attention: str, tiny: bool):
 
 
 def time_steps(cfg, steps: int) -> list[float]:
-    trainer = Trainer(cfg, sharding.make_mesh(cfg))
-    rng = np.random.default_rng(0)
-    B, T = cfg.train.batch_size, cfg.data.seq_len
-    rows = rng.integers(0, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
-    batch = trainer.put_batch({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, B)
-    state = trainer.init(jax.random.key(0))
-    for _ in range(2):  # compile, then one more warm step
-        state, metrics = trainer.train_step(state, batch, default_controls())
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = trainer.train_step(state, batch, default_controls())
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    return times
+    stepper = Stepper(cfg)
+    stepper.steps(1)  # one more warm step after the compile
+    return stepper.steps(steps)
 
 
 def measure(model: str, attention: str, steps: int, tiny: bool) -> dict:

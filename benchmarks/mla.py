@@ -18,23 +18,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from throughput import random_batch
+from throughput import Stepper
 
-from transformer import sharding
 from transformer.config import Config
 from transformer.config_loader import load_config
 from transformer.model import Transformer
 from transformer.model.summary import count_params, kv_cache_bytes_per_token
-from transformer.trainer import Trainer, default_controls
 
 
 def variants(head_dim: int) -> dict[str, list[str]]:
@@ -51,25 +47,6 @@ def cache_bytes(cfg: Config, context: int) -> int:
     """Bytes of every cached array but the positions, for a batch of one."""
     caches = jax.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)).init_cache(1, context))
     return sum(a.size * a.dtype.itemsize for layer in caches for name, a in layer.items() if name != "pos")
-
-
-class Stepper:
-    """One variant's trainer, state and batch, timed a round at a time."""
-
-    def __init__(self, cfg: Config):
-        self.trainer = Trainer(cfg, sharding.make_mesh(cfg))
-        self.state = self.trainer.init(jax.random.key(0))
-        self.batch = self.trainer.put_batch(random_batch(cfg, np.random.default_rng(0)), cfg.train.batch_size)
-        self.round(1)  # compile
-
-    def round(self, steps: int) -> float:
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            self.state, metrics = self.trainer.train_step(self.state, self.batch, default_controls())
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
 
 
 def main() -> None:
@@ -98,7 +75,7 @@ def main() -> None:
     gqa, mla = Stepper(configs["GQA K=2"]), Stepper(configs["MLA"])
     rounds = []
     for _ in range(args.rounds):
-        g, m = gqa.round(args.steps), mla.round(args.steps)
+        g, m = statistics.median(gqa.steps(args.steps)), statistics.median(mla.steps(args.steps))
         rounds.append((g, m))
     ratios = [m / g for g, m in rounds]
     print(

@@ -15,20 +15,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from throughput import preset_path, random_batch
+from throughput import Stepper, preset_path
 
-from transformer import sharding
 from transformer.config_loader import load_config
 from transformer.model.summary import active_params, count_params
-from transformer.trainer import Trainer, default_controls
 
 
 def variants(d_ff: int) -> dict[str, list[str]]:
@@ -41,27 +37,6 @@ def variants(d_ff: int) -> dict[str, list[str]]:
     }
 
 
-class Timed:
-    """One variant's compiled step, state and batch, ready to be timed a few steps at a time."""
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.trainer = Trainer(cfg, sharding.make_mesh(cfg))
-        self.state = self.trainer.init(jax.random.key(0))
-        self.batch = self.trainer.put_batch(random_batch(cfg, np.random.default_rng(0)), cfg.train.batch_size)
-        self.steps(1)  # compile
-        self.medians: list[float] = []
-
-    def steps(self, n: int) -> list[float]:
-        times = []
-        for _ in range(n):
-            start = time.perf_counter()
-            self.state, metrics = self.trainer.train_step(self.state, self.batch, default_controls())
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-        return times
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu-study")
@@ -71,12 +46,13 @@ def main() -> None:
     args = p.parse_args()
     base = load_config(preset_path(args.preset), args.overrides)
     timed = {
-        name: Timed(load_config(preset_path(args.preset), [*args.overrides, *extra]))
+        name: Stepper(load_config(preset_path(args.preset), [*args.overrides, *extra]))
         for name, extra in variants(base.model.d_ff).items()
     }
+    medians: dict[str, list[float]] = {name: [] for name in timed}
     for _ in range(args.rounds):
-        for t in timed.values():
-            t.medians.append(statistics.median(t.steps(args.steps)))
+        for name, t in timed.items():
+            medians[name].append(statistics.median(t.steps(args.steps)))
     m = base.model
     print(
         f"{args.preset}: d_model {m.d_model}, {m.n_layers} layers, d_ff {m.d_ff}, batch {base.train.batch_size} x {base.data.seq_len}"
@@ -84,9 +60,9 @@ def main() -> None:
     print(
         f"{jax.device_count()} {jax.default_backend()} device(s); median of {args.rounds} interleaved rounds of {args.steps} steps"
     )
-    dense = statistics.median(timed["dense"].medians)
+    dense = statistics.median(medians["dense"])
     for name, t in timed.items():
-        step = statistics.median(t.medians)
+        step = statistics.median(medians[name])
         total, active = count_params(t.cfg.model), active_params(t.cfg.model)
         print(
             f"  {name:<24} {1000 * step:8.1f} ms/step  x{step / dense:5.2f}  params {total:>9,} total {active:>9,} active"

@@ -42,26 +42,31 @@ def random_batch(cfg, rng):
     return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
 
 
-def time_steps(cfg, steps: int, repeats: int) -> tuple[list[float], float]:
-    mesh = sharding.make_mesh(cfg)
-    trainer = Trainer(cfg, mesh)
-    rng = np.random.default_rng(0)
-    state = trainer.init(jax.random.key(0))
-    batch = trainer.put_batch(random_batch(cfg, rng), cfg.train.batch_size)
-    start = time.perf_counter()
-    state, metrics = trainer.train_step(state, batch, default_controls())
-    jax.block_until_ready(metrics)
-    first = time.perf_counter() - start  # compile + one step
-    medians = []
-    for _ in range(repeats):
+class Stepper:
+    """One config's trainer, state and random batch, compiled (`first`: compile + one step, seconds),
+    then timed a few steps at a time; the benchmarks that compare variants interleave their rounds."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.trainer = Trainer(cfg, sharding.make_mesh(cfg))
+        self.state = self.trainer.init(jax.random.key(0))
+        self.batch = self.trainer.put_batch(random_batch(cfg, np.random.default_rng(0)), cfg.train.batch_size)
+        self.first = sum(self.steps(1))
+
+    def steps(self, n: int) -> list[float]:
+        """Seconds of each of `n` more steps."""
         times = []
-        for _ in range(steps):
+        for _ in range(n):
             start = time.perf_counter()
-            state, metrics = trainer.train_step(state, batch, default_controls())
+            self.state, metrics = self.trainer.train_step(self.state, self.batch, default_controls())
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times))
-    return medians, first
+        return times
+
+
+def time_steps(cfg, steps: int, repeats: int) -> tuple[list[float], float]:
+    stepper = Stepper(cfg)
+    return [statistics.median(stepper.steps(steps)) for _ in range(repeats)], stepper.first
 
 
 def compile_seconds(cfg) -> float:
