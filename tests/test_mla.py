@@ -151,8 +151,8 @@ def test_attention_entropy_is_that_of_the_attention_weights():
     entropy = model.stability_stats(tokens)["attn_entropy"]
     graphdef, state = nnx.split(model.blocks)
     block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))  # the one layer, unstacked
-    q, latent, k_rope = block.attn.project(block.attn_norm(model.embed_tokens(tokens, positions)), positions)
-    k, _ = block.attn.expand(latent, k_rope)
+    q, entries = block.attn.project(block.attn_norm(model.embed_tokens(tokens, positions)), positions)
+    k, _ = block.attn.kv_of(entries)
     scores = np.asarray(jnp.einsum("BTNGH,BSNH->BTS", q, k)) * cfg.scale
     scores = np.where(np.tril(np.ones((6, 6), bool)), scores[0], -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))

@@ -136,8 +136,8 @@ class Attention(nnx.Module):
         each other, and keys with position -1 (empty slots, left padding) are never attended to.
         With `collect`, the attention statistics are sown (see `sow_stats`).
         """
-        q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH = self.project(x_BxTxD, positions_BxT)
-        keys, new_cache = self.keys_and_mask(k_BxTxKxH, v_BxTxKxH, positions_BxT, segment_ids_BxT, window, cache, index)
+        q_BxTxKxGxH, entries = self.project(x_BxTxD, positions_BxT)
+        keys, new_cache = self.keys_and_mask(entries, positions_BxT, segment_ids_BxT, window, cache, index)
         bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS)
         if collect:
             self.sow_stats(q_BxTxKxGxH, keys, bias_BxNxTxS, segment_ids_BxT, window)
@@ -152,10 +152,10 @@ class Attention(nnx.Module):
         """An empty cache of `size` entries for this layer (what it holds is the variant's choice)."""
         return init_cache(self.cfg, batch, size)
 
-    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(q [B, T, K, G, H], k [B, T, K, H], v [B, T, K, H]): the fused projection, qk-norm, and
-        the rotation the position scheme applies to queries and keys. (MLA returns its latent and
-        shared rope key in place of k and v; its `keys_and_mask` expands them.)"""
+    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, KVCache]:
+        """(q [B, T, K, G, H], the entries a cache keeps of each token: k and v [B, T, K, H]): the
+        fused projection, qk-norm, and the rotation the position scheme applies to queries and keys.
+        (MLA keeps its latent and shared rope key instead; its `kv_of` expands them.)"""
         G, dtype = self.cfg.n_kv_groups, x_BxTxD.dtype
         qkv_BxTxKxCxH = jnp.einsum("BTD,DKCH->BTKCH", x_BxTxD, self.qkv[...].astype(dtype))
         if self.qkv_bias is not None:
@@ -169,20 +169,25 @@ class Attention(nnx.Module):
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
         q_BxTxKxGxH = self.positions.rotate(q_BxTxKxGxH, positions_BxT)
         k_BxTxKxH = self.positions.rotate(k_BxTxKxH, positions_BxT)
-        return q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH
+        return q_BxTxKxGxH, {"k": k_BxTxKxH, "v": v_BxTxKxH}
+
+    def kv_of(self, entries: KVCache) -> tuple[jax.Array, jax.Array]:
+        """(k, v) from what the cache holds per token: here the keys and values themselves."""
+        return entries["k"], entries["v"]
 
     def keys_and_mask(
         self,
-        k_BxTxKxH: jax.Array,
-        v_BxTxKxH: jax.Array,
+        entries: KVCache,
         positions_BxT: jax.Array,
         segment_ids_BxT: jax.Array | None,
         window: Window,
         cache: KVCache | None,
         index: int | jax.Array,
     ) -> tuple[Keys, KVCache | None]:
-        """The keys the new tokens attend to and their mask, and the cache with the new entries."""
+        """The keys the new tokens attend to (from their `entries` and, decoding, the cached ones) and
+        their mask, and the cache with the new entries."""
         if cache is None:
+            k_BxTxKxH, v_BxTxKxH = self.kv_of(entries)
             # A static window and no documents use the library's own causal/local masking (which
             # fused kernels understand); a traced window or segment ids need an explicit mask.
             static = segment_ids_BxT is None and not isinstance(window, jax.Array)
@@ -191,11 +196,11 @@ class Attention(nnx.Module):
                 index_T = jnp.arange(k_BxTxKxH.shape[1])
                 mask_BxTxS = attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT)
             return Keys(k_BxTxKxH, v_BxTxKxH, positions_BxT, mask_BxTxS, static), None
-        new = {"k": k_BxTxKxH, "v": v_BxTxKxH}
-        entries, k_positions_BxS = cached_and_new(cache, new, positions_BxT)
+        every_BxS, k_positions_BxS = cached_and_new(cache, entries, positions_BxT)
+        k_BxSxKxH, v_BxSxKxH = self.kv_of(every_BxS)
         mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
-        keys = Keys(entries["k"], entries["v"], k_positions_BxS, mask_BxTxS, static=False)
-        return keys, write_cache(cache, new, positions_BxT, index)
+        keys = Keys(k_BxSxKxH, v_BxSxKxH, k_positions_BxS, mask_BxTxS, static=False)
+        return keys, write_cache(cache, entries, positions_BxT, index)
 
     def attend(
         self,

@@ -34,9 +34,6 @@ from transformer.model.attention import (
     Keys,
     KVCache,
     Window,
-    cached_and_new,
-    position_mask,
-    write_cache,
 )
 from transformer.model.layers import InitScales, Norm, normal_param
 from transformer.model.positions import positions_for
@@ -84,48 +81,28 @@ class MultiHeadLatentAttention(Attention):
         c_BxTxQ = self.q_latent_norm(jnp.einsum("BTD,DQ->BTQ", x_BxTxD, self.wq_down[...].astype(dtype)))
         return jnp.einsum("BTQ,QNH->BTNH", c_BxTxQ, self.wq_up[...].astype(dtype))
 
-    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(q [B, T, N, 1, H] with its rope part rotated, the latent [B, T, R], the rotated shared
-        key [B, T, E]): the queries, and what the cache keeps of the keys and values."""
+    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, KVCache]:
+        """(q [B, T, N, 1, H] with its rope part rotated, what the cache keeps of each token: the
+        latent [B, T, R] and the rotated shared key [B, T, E])."""
         dtype, A = x_BxTxD.dtype, self.cfg.qk_nope_head_dim
         q_BxTxNxH = self.queries(x_BxTxD)
         q_rope_BxTxNxE = self.positions.rotate(q_BxTxNxH[..., A:], positions_BxT)
         q_BxTxNxH = jnp.concatenate([q_BxTxNxH[..., :A], q_rope_BxTxNxE], axis=-1)
         latent_BxTxR = self.kv_latent_norm(jnp.einsum("BTD,DR->BTR", x_BxTxD, self.wkv_down[...].astype(dtype)))
         k_rope_BxTxE = jnp.einsum("BTD,DE->BTE", x_BxTxD, self.wk_rope[...].astype(dtype))
-        return q_BxTxNxH[:, :, :, None], latent_BxTxR, self.positions.rotate(k_rope_BxTxE, positions_BxT)
+        entries = {"latent": latent_BxTxR, "k_rope": self.positions.rotate(k_rope_BxTxE, positions_BxT)}
+        return q_BxTxNxH[:, :, :, None], entries
 
-    def expand(self, latent_BxSxR: jax.Array, k_rope_BxSxE: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def kv_of(self, entries: KVCache) -> tuple[jax.Array, jax.Array]:
         """(k [B, S, N, H], v [B, S, N, Y]): every head's key and value up from the latent, the
         shared rope key appended to each key."""
+        latent_BxSxR, k_rope_BxSxE = entries["latent"], entries["k_rope"]
         dtype, N = latent_BxSxR.dtype, self.cfg.n_heads
         k_nope_BxSxNxA = jnp.einsum("BSR,RNA->BSNA", latent_BxSxR, self.wk_up[...].astype(dtype))
         v_BxSxNxY = jnp.einsum("BSR,RNY->BSNY", latent_BxSxR, self.wv_up[...].astype(dtype))
         B, S, E = k_rope_BxSxE.shape
         k_rope_BxSxNxE = jnp.broadcast_to(k_rope_BxSxE[:, :, None].astype(dtype), (B, S, N, E))
         return jnp.concatenate([k_nope_BxSxNxA, k_rope_BxSxNxE], axis=-1), v_BxSxNxY
-
-    def keys_and_mask(
-        self,
-        latent_BxTxR: jax.Array,
-        k_rope_BxTxE: jax.Array,
-        positions_BxT: jax.Array,
-        segment_ids_BxT: jax.Array | None,
-        window: Window,
-        cache: KVCache | None,
-        index: int | jax.Array,
-    ) -> tuple[Keys, KVCache | None]:
-        """The keys and values the new tokens attend to, expanded from the latents (the cached ones
-        and the new), their mask, and the cache with the new latents."""
-        if cache is None:
-            k_BxTxNxH, v_BxTxNxY = self.expand(latent_BxTxR, k_rope_BxTxE)
-            return super().keys_and_mask(k_BxTxNxH, v_BxTxNxY, positions_BxT, segment_ids_BxT, window, None, index)
-        new = {"latent": latent_BxTxR, "k_rope": k_rope_BxTxE}
-        entries, k_positions_BxS = cached_and_new(cache, new, positions_BxT)
-        k_BxSxNxH, v_BxSxNxY = self.expand(entries["latent"], entries["k_rope"])
-        mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
-        keys = Keys(k_BxSxNxH, v_BxSxNxY, k_positions_BxS, mask_BxTxS, static=False)
-        return keys, write_cache(cache, new, positions_BxT, index)
 
     def attend(
         self,
