@@ -852,12 +852,12 @@ EXECUTION = ("model.remat", "model.scan_layers")
 SAFE_ON_RESUME = RUN_BOOKKEEPING + EXECUTION
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict, prefix: str = "", sep: str = ".") -> dict[str, Any]:
     """{'model': {'d_model': 64}} -> {'model.d_model': 64}"""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}{sep}", sep))
         else:
             out[f"{prefix}{k}"] = v
     return out

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer.config import Config, ConfigError, ModelConfig
+from transformer.config import Config, ConfigError, ModelConfig, flatten
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
@@ -567,14 +567,9 @@ class Checkpoint:
             raise HFError("model.init_from", f"the checkpoint has tensors config.json does not explain: {left[0]}, ...")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def _flatten(tree: dict) -> dict[str, Any]:
+    """Parameter paths as 'blocks/attn/qkv' (the layout's rule names)."""
+    return flatten(tree, sep="/")
 
 
 def _unflatten(flat: dict[str, Any]) -> dict:
