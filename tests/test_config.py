@@ -638,3 +638,54 @@ def test_mixture_mistake_exits_2_with_one_line():
     )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "data.mixture[0].weight" in result.stderr
+
+
+# --- model families and their objectives ---------------------------------------------------------
+
+FAMILY_DEFAULTS = [
+    (["model.arch=decoder"], "causal", {}),
+    (["model.arch=encoder"], "mlm", {"mask_rate": 0.15, "mask_token_fraction": 0.8, "random_token_fraction": 0.1}),
+    (["model.arch=encoder_decoder"], "span", {"noise_density": 0.15, "mean_span_length": 3.0}),
+    (["model.arch=encoder", "data.mask_rate=0.3"], "mlm", {"mask_rate": 0.3, "mask_token_fraction": 0.8}),
+]
+
+
+@pytest.mark.parametrize("overrides, objective, keys", FAMILY_DEFAULTS, ids=[" ".join(c[0]) for c in FAMILY_DEFAULTS])
+def test_each_family_gets_its_objective_and_defaults(overrides, objective, keys):
+    cfg = load_config(None, overrides)
+    assert cfg.data.objective == objective
+    assert {k: getattr(cfg.data, k) for k in keys} == keys
+    # the resolved config reloads to itself: saved runs resume with the same objective
+    assert load_config(None, [f"data.objective={objective}", *overrides]) == cfg
+
+
+def test_encoder_decoder_depths():
+    cfg = load_config(None, ["model.arch=encoder_decoder", "model.n_layers=3"])
+    assert (cfg.model.n_encoder_layers, cfg.model.n_layers) == (3, 3)
+    cfg = load_config(None, ["model.arch=encoder_decoder", "model.n_encoder_layers=5"])
+    assert cfg.model.n_encoder_layers == 5
+
+
+FAMILY_MISTAKES = [
+    (["data.mask_rate=0.2"], "data.mask_rate", "objective=mlm"),
+    (["model.arch=encoder_decoder", "data.mask_rate=0.2"], "data.mask_rate", "trains span"),
+    (["model.arch=encoder", "data.noise_density=0.2"], "data.noise_density", "objective=span"),
+    (["model.n_encoder_layers=2"], "model.n_encoder_layers", "encoder_decoder"),
+    (["model.arch=encoder", "data.mask_rate=0"], "data.mask_rate", "(0, 1)"),
+    (["model.arch=encoder", "data.mask_rate=1"], "data.mask_rate", "(0, 1)"),
+    (["model.arch=encoder", "data.mask_token_fraction=0.95"], "data.random_token_fraction", "at most 1"),
+    (["model.arch=encoder_decoder", "data.mean_span_length=0.5"], "data.mean_span_length", ">= 1"),
+    (["model.arch=encoder", "data.objective=span"], "data.objective", "it trains mlm"),
+    (["model.arch=encoder_decoder", "data.objective=seq2seq"], "data.source", "gives text"),
+    (["data.source=hf:x", "data.input_field=a"], "data.target_field", "go together"),
+    (["data.input_field=a", "data.target_field=b"], "data.input_field", "hf: or files:"),
+    (["model.arch=encoder", "data.source=hf:x", "data.input_field=a", "data.target_field=b"], "data.source", "pairs"),
+    (["model.arch=encoder_decoder", "model.n_experts=4"], "model.n_experts", "dense"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, words", FAMILY_MISTAKES, ids=[" ".join(c[0]) for c in FAMILY_MISTAKES])
+def test_family_mistakes_name_the_key(overrides, key, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(f"{key}:") and words in str(e.value)

@@ -43,6 +43,19 @@ LayerKind = Literal["local", "global"]
 Remat = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
 Router = Literal["softmax", "sigmoid"]
+# The three Transformer families: decoder-only (causal LM), encoder-only (bidirectional, masked LM),
+# encoder-decoder (bidirectional encoder; causal decoder with cross-attention to it).
+Arch = Literal["decoder", "encoder", "encoder_decoder"]
+# What a batch trains: causal (next token of text), prefix (decoder-only on input/target pairs: the
+# target predicted after the input in one sequence), mlm (masked tokens of text), span (T5 span
+# corruption of text), seq2seq (encoder-decoder on input/target pairs).
+Objective = Literal["causal", "prefix", "mlm", "span", "seq2seq"]
+# Each family's objectives: the first on text, the second on input/target pairs.
+OBJECTIVES: dict[str, tuple[Objective, ...]] = {
+    "decoder": ("causal", "prefix"),
+    "encoder": ("mlm",),
+    "encoder_decoder": ("span", "seq2seq"),
+}
 BUILTINS = ("stdlib", "recall")  # builtin:stdlib, the Python sources; builtin:recall[:opts], see synthetic.py
 
 
@@ -93,8 +106,10 @@ else:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    arch: Arch = "decoder"
     d_model: int = 128
-    n_layers: int = 4
+    n_layers: int = 4  # the decoder's depth; an encoder-only model's encoder depth
+    n_encoder_layers: DerivedInt = None  # type: ignore[assignment]  # encoder_decoder only; None: n_layers
     n_heads: int = 4
     n_kv_heads: DerivedInt = None  # type: ignore[assignment]  # None: = n_heads (MHA); 1: MQA; otherwise GQA
     head_dim: DerivedInt = None  # type: ignore[assignment]  # None: d_model // n_heads
@@ -167,6 +182,7 @@ class ModelConfig:
         self._check_attention_impl()
         self._check_mla()
         self._check_moe()
+        self._check_arch()
         _check(  # a learned table needs a last row: see max_positions
             self.position != "learned" or self.max_seq_len is not None,
             "max_seq_len",
@@ -327,7 +343,29 @@ class ModelConfig:
             _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _check(not self.use_bias, "use_bias", "experts have no biases: set model.use_bias=false with n_experts")
 
+    def _check_arch(self) -> None:
+        if self.arch != "encoder_decoder":
+            _check(
+                self.n_encoder_layers is None,
+                "n_encoder_layers",
+                f"is the encoder's depth of an encoder-decoder: set model.arch=encoder_decoder, or leave it out ({self.arch} uses n_layers)",
+            )
+            return
+        if self.n_encoder_layers is None:
+            object.__setattr__(self, "n_encoder_layers", self.n_layers)
+        _check(self.n_encoder_layers >= 1, "n_encoder_layers", f"must be >= 1, got {self.n_encoder_layers}")
+        _check(
+            not self.n_experts,
+            "n_experts",
+            "mixtures of experts are for decoder and encoder models; an encoder_decoder's blocks are dense",
+        )
+
     # --- derived values -------------------------------------------------------------------------
+    @property
+    def causal(self) -> bool:
+        """Whether the main stack (`blocks`) attends causally: the decoder's does, an encoder's not."""
+        return self.arch != "encoder"
+
     @property
     def moe_layers(self) -> tuple[bool, ...]:
         """Whether each layer's FFN is a mixture of experts (every moe_every-th, ending a group)."""
@@ -493,6 +531,17 @@ class DataConfig:
     val_source: str | None = None  # validate on this source (any data.source spec) instead of a split
     # weighted sources instead of data.source (which must then be left at its default)
     mixture: tuple[MixtureEntry, ...] = ()
+    # --- what a batch trains (null: the model family's default, filled in when the run config is
+    # built; a key of an objective the run does not train is refused) ---
+    objective: Objective | None = None  # causal, mlm or span on text; prefix or seq2seq on input/target pairs
+    mask_rate: float | None = None  # mlm: the fraction of tokens chosen for prediction (0.15)
+    mask_token_fraction: float | None = None  # mlm: of those, the fraction replaced by the mask token (0.8)
+    random_token_fraction: float | None = None  # mlm: ... by a random token (0.1); the rest are kept as they are
+    noise_density: float | None = None  # span: the fraction of tokens in corrupted spans (0.15)
+    mean_span_length: float | None = None  # span: the mean length of a corrupted span (3.0)
+    input_field: str | None = None  # pairs from hf:/files: sources: the input's field (with target_field)
+    target_field: str | None = None
+    target_len: int | None = None  # prefix and seq2seq: target tokens per row (null: seq_len)
 
     def __post_init__(self) -> None:
         _check_ints(self)
@@ -514,6 +563,44 @@ class DataConfig:
             "tokenizer",
             f"must be byte, bpe or pretrained:PATH, got {self.tokenizer!r}",
         )
+        self._check_objective_values()
+
+    def _check_objective_values(self) -> None:
+        """Ranges of the objectives' keys (which objective may set them: `Config._resolve_objective`)."""
+        _check(
+            self.mask_rate is None or 0.0 < self.mask_rate < 1.0,
+            "mask_rate",
+            f"must be in (0, 1), got {self.mask_rate}",
+        )
+        for name in ("mask_token_fraction", "random_token_fraction"):
+            value = getattr(self, name)
+            _check(value is None or 0.0 <= value <= 1.0, name, f"must be in [0, 1], got {value}")
+        replaced = (self.mask_token_fraction or 0.0) + (self.random_token_fraction or 0.0)
+        _check(
+            replaced <= 1.0,
+            "random_token_fraction",
+            f"mask_token_fraction + random_token_fraction must be at most 1, got {replaced:g}",
+        )
+        density = self.noise_density
+        _check(density is None or 0.0 < density < 1.0, "noise_density", f"must be in (0, 1), got {density}")
+        span = self.mean_span_length
+        _check(span is None or span >= 1.0, "mean_span_length", f"must be >= 1, got {span}")
+        _check(self.target_len is None or self.target_len >= 1, "target_len", f"must be >= 1, got {self.target_len}")
+        _check(
+            (self.input_field is None) == (self.target_field is None),
+            "input_field" if self.input_field is None else "target_field",
+            "input_field and target_field go together: name both fields of the pairs, or neither",
+        )
+        _check(
+            self.input_field is None or self.source_spec.kind in ("hf", "files"),
+            "input_field",
+            f"names fields of hf: or files: sources, not of {self.source}",
+        )
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the source gives input/target pairs (builtin:seq2seq, or named fields) rather than text."""
+        return self.input_field is not None or self.source_spec.name == "seq2seq"
 
     def _check_mixture(self) -> None:
         if not self.mixture:
@@ -773,6 +860,7 @@ class Config:
             "data.seq_len",
             f"{self.data.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
         )
+        object.__setattr__(self, "data", _resolve_objective(m.arch, self.data))
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)
         if self.mesh.expert != 1:
@@ -803,6 +891,51 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# Each objective's keys and their defaults; set under another objective they are refused.
+OBJECTIVE_KEYS: dict[str, dict[str, Any]] = {
+    "mlm": {"mask_rate": 0.15, "mask_token_fraction": 0.8, "random_token_fraction": 0.1},
+    "span": {"noise_density": 0.15, "mean_span_length": 3.0},
+    "prefix": {"target_len": None},
+    "seq2seq": {"target_len": None},
+}
+
+
+def _resolve_objective(arch: str, data: DataConfig) -> DataConfig:
+    """`data` with its objective (null: the family's for the source's kind) and that objective's
+    keys filled in; an objective the family cannot train, or a key of another, is refused."""
+    own = OBJECTIVES[arch]
+    objective = data.objective or own[1 if data.pairs and len(own) > 1 else 0]
+    _check(
+        objective in own,
+        "data.objective",
+        f"{objective} does not train a model.arch={arch} model (it trains {' or '.join(own)})",
+    )
+    is_pairs = objective in ("prefix", "seq2seq")
+    _check(
+        is_pairs == data.pairs,
+        "data.source",
+        f"{data.source} gives {'input/target pairs' if data.pairs else 'text'}, which data.objective={objective} does not train"
+        + ("" if data.pairs else " (pairs: builtin:seq2seq, or data.input_field and data.target_field)"),
+    )
+    _check(
+        objective == "causal" or not data.mixture,
+        "data.mixture",
+        f"trains the causal objective only, not {objective}",
+    )
+    for other, keys in OBJECTIVE_KEYS.items():
+        for name in keys:
+            _check(
+                other == objective or name in OBJECTIVE_KEYS.get(objective, {}) or getattr(data, name) is None,
+                f"data.{name}",
+                f"is a key of data.objective={other}, and this run trains {objective}: leave it out",
+            )
+    defaults = {k: v for k, v in OBJECTIVE_KEYS.get(objective, {}).items() if getattr(data, k) is None}
+    try:  # the defaults may not fit with what was set (mask_token_fraction + random_token_fraction)
+        return dataclasses.replace(data, objective=objective, **defaults)
+    except ConfigError as e:
+        raise e.under("data") from None
 
 
 def check_tensor_split(m: ModelConfig, tensor: int) -> None:
