@@ -689,3 +689,13 @@ def test_family_mistakes_name_the_key(overrides, key, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert str(e.value).startswith(f"{key}:") and words in str(e.value)
+
+
+def test_pairs_rows_set_the_models_context():
+    pairs = ["data.source=hf:x", "data.input_field=a", "data.target_field=b", "data.seq_len=48"]
+    prefix = load_config(None, [*pairs, "data.target_len=16"])  # input, then target, in one decoder row
+    assert (prefix.data.objective, prefix.model.max_seq_len) == ("prefix", 64)
+    seq2seq = load_config(None, ["model.arch=encoder_decoder", *pairs])  # target_len defaults to seq_len
+    assert (seq2seq.data.objective, seq2seq.data.target_len, seq2seq.model.max_seq_len) == ("seq2seq", 48, 48)
+    with pytest.raises(ConfigError, match=r"^data.seq_len: rows of 96 tokens \(prefix\) exceed model.max_seq_len"):
+        load_config(None, [*pairs, "model.max_seq_len=64"])

@@ -851,16 +851,16 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
 
     def __post_init__(self):
-        m = self.model
+        object.__setattr__(self, "data", _resolve_objective(self.model.arch, self.data))
+        m, context = self.model, context_length(self.model.arch, self.data)
         if m.max_seq_len is None:
-            object.__setattr__(self, "model", dataclasses.replace(m, max_seq_len=self.data.seq_len))
+            object.__setattr__(self, "model", dataclasses.replace(m, max_seq_len=context))
             m = self.model
         _check(
-            self.data.seq_len <= m.max_seq_len,
+            context <= m.max_seq_len,
             "data.seq_len",
-            f"{self.data.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
+            f"rows of {context} tokens ({self.data.objective}) exceed model.max_seq_len ({m.max_seq_len})",
         )
-        object.__setattr__(self, "data", _resolve_objective(m.arch, self.data))
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)
         if self.mesh.expert != 1:
@@ -902,11 +902,26 @@ OBJECTIVE_KEYS: dict[str, dict[str, Any]] = {
 }
 
 
+def _objective(arch: str, data: DataConfig) -> Objective:
+    """The objective `data` trains a model.arch=`arch` model with: its own, or the family's default."""
+    own = OBJECTIVES[arch]
+    return data.objective or own[1 if data.pairs and len(own) > 1 else 0]
+
+
+def context_length(arch: str, data: DataConfig) -> int:
+    """The longest row any stack of a model.arch=`arch` model sees, the default model.max_seq_len:
+    data.seq_len, or for pairs the input's (seq_len) and the target's (target_len; null: seq_len)
+    lengths, side by side in one decoder row (prefix) or the longer of the two (seq2seq)."""
+    objective, target = _objective(arch, data), data.target_len or data.seq_len
+    if objective == "prefix":
+        return data.seq_len + target
+    return max(data.seq_len, target) if objective == "seq2seq" else data.seq_len
+
+
 def _resolve_objective(arch: str, data: DataConfig) -> DataConfig:
     """`data` with its objective (null: the family's for the source's kind) and that objective's
     keys filled in; an objective the family cannot train, or a key of another, is refused."""
-    own = OBJECTIVES[arch]
-    objective = data.objective or own[1 if data.pairs and len(own) > 1 else 0]
+    own, objective = OBJECTIVES[arch], _objective(arch, data)
     _check(
         objective in own,
         "data.objective",
@@ -932,6 +947,8 @@ def _resolve_objective(arch: str, data: DataConfig) -> DataConfig:
                 f"is a key of data.objective={other}, and this run trains {objective}: leave it out",
             )
     defaults = {k: v for k, v in OBJECTIVE_KEYS.get(objective, {}).items() if getattr(data, k) is None}
+    if "target_len" in defaults:
+        defaults["target_len"] = data.seq_len
     try:  # the defaults may not fit with what was set (mask_token_fraction + random_token_fraction)
         return dataclasses.replace(data, objective=objective, **defaults)
     except ConfigError as e:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from transformer.config import DEFAULT_CONFIG, Config, ConfigError, DataConfig, yaml_key
+from transformer.config import DEFAULT_CONFIG, OBJECTIVES, Config, ConfigError, DataConfig, context_length, yaml_key
 from transformer.errors import first_line
 
 # --- schema walking ------------------------------------------------------------------------------
@@ -175,8 +175,9 @@ def from_dict(raw: dict[str, Any], cls: type = Config, prefix: str = "") -> Any:
         data = kwargs["data"] = from_dict(raw.get("data") or {}, DataConfig, "data.")
         model = raw.get("model") or {}
         if isinstance(model, dict) and model.get("max_seq_len") is None:
+            arch = model.get("arch", "decoder")
             model = dict(model)
-            model["max_seq_len"] = data.seq_len
+            model["max_seq_len"] = context_length(arch, data) if arch in OBJECTIVES else data.seq_len
         raw = {**raw, "model": model}
     for key, value in raw.items():
         if key in kwargs:
