@@ -31,8 +31,8 @@ def _loss_and_grad(model, chunk, z_loss):
 
     def f(params):
         m = nnx.merge(graphdef, params)
-        obj, nll, count = objective(m.forward(inputs)[0], m.logits, targets, weights, z_loss, chunk)
-        return obj / count, (nll, count)
+        obj, nll, count, correct = objective(m.forward(inputs)[0], m.logits, targets, weights, z_loss, chunk)
+        return obj / count, (nll, count, correct)
 
     return jax.value_and_grad(f, has_aux=True)(params)
 
@@ -45,9 +45,10 @@ def _loss_and_grad(model, chunk, z_loss):
 @pytest.mark.parametrize("chunk", [6, 12, 39])  # 2, 4 (padded: 13 is not a multiple) and 13 positions
 def test_chunked_equals_plain_in_loss_and_gradient(model, z_loss, chunk):
     m = _model(**model)
-    (plain, (nll, count)), g_plain = _loss_and_grad(m, 0, z_loss)
-    (chunked, (nll_c, count_c)), g_chunked = _loss_and_grad(m, chunk, z_loss)
+    (plain, (nll, count, correct)), g_plain = _loss_and_grad(m, 0, z_loss)
+    (chunked, (nll_c, count_c, correct_c)), g_chunked = _loss_and_grad(m, chunk, z_loss)
     assert float(count) == float(count_c)
+    assert float(correct) == float(correct_c)
     np.testing.assert_allclose(chunked, plain, rtol=1e-6)
     np.testing.assert_allclose(nll_c, nll, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_plain)):
@@ -67,6 +68,7 @@ def test_chunked_matches_by_hand_and_ignores_padding_vocab():
     log_p = jax.nn.log_softmax(logits)
     nll = -jnp.sum(jnp.take_along_axis(log_p, targets[..., None], -1)[..., 0] * weights)
     np.testing.assert_allclose(got[1], nll, rtol=1e-6)
+    np.testing.assert_array_equal(got[3], jnp.sum((jnp.argmax(logits, -1) == targets) * weights))
 
 
 def test_chunked_never_forms_the_whole_logits():

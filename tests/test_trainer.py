@@ -213,10 +213,11 @@ def test_cross_entropy_and_z_loss_by_hand():
     logits = jnp.asarray([[[0.0, math.log(3.0)], [2.0, 2.0]]])
     targets = jnp.asarray([[1, 0]])
     weights = jnp.asarray([[1.0, 0.0]])  # the second token is padding
-    objective, nll, count = cross_entropy(logits, targets, weights, z_loss=0.5)
+    objective, nll, count, correct = cross_entropy(logits, targets, weights, z_loss=0.5)
     log_z = math.log(1 + 3)
     assert float(nll) == pytest.approx(log_z - math.log(3.0))
     assert float(count) == 1.0
+    assert float(correct) == 1.0  # the weighted token's target is its argmax; the padding's is not counted
     assert float(objective) == pytest.approx(log_z - math.log(3.0) + 0.5 * log_z**2)
 
 

@@ -428,10 +428,10 @@ def _evaluate_main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        bpb = "" if result["bits_per_byte"] is None else f", bits per byte {result['bits_per_byte']:.4f}"
         print(
             f"step {result['step']} on {result['source']} ({result['split']}, {result['tokens']:,} tokens): "
-            f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}, "
-            f"bits per byte {result['bits_per_byte']:.4f}"
+            f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}, accuracy {result['accuracy']:.4f}{bpb}"
         )
         for name, own in result.get("sources", {}).items():  # a mixture: the weighted total above, then each source
             print(

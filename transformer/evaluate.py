@@ -137,7 +137,8 @@ def evaluate_params(
         "source": cfg.data.source if not data.parts else f"a mixture of {len(data.parts)} sources",
         "loss": result["val_loss"],
         "perplexity": result["val_perplexity"],
-        "bits_per_byte": result["val_bits_per_byte"],
+        "accuracy": result["val_accuracy"],
+        "bits_per_byte": result.get("val_bits_per_byte"),
         "tokens": sum(len(d.val_window_ids) for d in _sources(data)) * cfg.data.seq_len,
     }
     if data.parts:

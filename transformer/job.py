@@ -204,9 +204,11 @@ def restore(
 
 def summary(result: RunResult, data: Data) -> str:
     """The last line of a run: losses against the unigram baseline, bits per byte, throughput."""
+    val = result.val
+    bpb = f"val bits/byte {val['val_bits_per_byte']:.4f}" if "val_bits_per_byte" in val else ""
     return (
-        f"done: {result.steps} steps; train loss {result.train_loss:.4f}; val loss {result.val['val_loss']:.4f} "
-        f"(unigram baseline {unigram_entropy(data):.4f}), val bits/byte {result.val['val_bits_per_byte']:.4f}; "
+        f"done: {result.steps} steps; train loss {result.train_loss:.4f}; val loss {val['val_loss']:.4f} "
+        f"(unigram baseline {unigram_entropy(data):.4f}), val accuracy {val['val_accuracy']:.3f}{', ' + bpb if bpb else ''}; "
         f"{result.tokens_per_s:,.0f} tokens/s, MFU {100 * result.mfu:.1f}%"
     )
 

@@ -375,7 +375,7 @@ class TrainLoop:
         index = self.recovery.batch_index(step - 1)
         local = self.data.train_batch(index, jax.process_index(), jax.process_count())
         batch = self.trainer.put_batch(local, self.cfg.train.batch_size)
-        nll, count = self.trainer.eval_step(restored[0]["params"], batch)
+        nll, count, _ = self.trainer.eval_step(restored[0]["params"], batch)
         loss = float(nll) / float(count)
         sound = math.isfinite(loss) and loss <= limit
         self.judged.update(checkpoint_sound=sound, judged_loss=loss, judged_batch=index)

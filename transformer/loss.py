@@ -19,18 +19,24 @@ Logits = Callable[[jax.Array], jax.Array]  # hidden states [..., D] -> float32 l
 
 
 def cross_entropy(logits_BxTxV, targets_BxT, weights_BxT, z_loss: float):
-    """(objective sum, nll sum, weight sum): float32 cross-entropy summed over real target tokens,
-    plus z_loss * log(Z)^2 (PaLM), which keeps the softmax normaliser near 1."""
-    nll_sum, z_sum = _sums(logits_BxTxV, targets_BxT, weights_BxT)
-    return nll_sum + z_loss * z_sum, nll_sum, jnp.sum(weights_BxT)
+    """(objective sum, nll sum, weight sum, weighted count of targets predicted right): float32
+    cross-entropy summed over real target tokens, plus z_loss * log(Z)^2 (PaLM), which keeps the
+    softmax normaliser near 1. (Only evaluation reads the count; a training step never computes it.)"""
+    nll_sum, z_sum, correct = _sums(logits_BxTxV, targets_BxT, weights_BxT)
+    return nll_sum + z_loss * z_sum, nll_sum, jnp.sum(weights_BxT), correct
 
 
-def _sums(logits_BxTxV, targets_BxT, weights_BxT) -> tuple[jax.Array, jax.Array]:
-    """(weighted sum of -log p(target), weighted sum of log(Z)^2)."""
+def _sums(logits_BxTxV, targets_BxT, weights_BxT) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weighted sum of -log p(target), weighted sum of log(Z)^2, weighted count of argmax == target)."""
     logits = logits_BxTxV.astype(jnp.float32)
     log_z_BxT = jax.nn.logsumexp(logits, axis=-1)
     target_logit_BxT = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_z_BxT - target_logit_BxT) * weights_BxT), jnp.sum(jnp.square(log_z_BxT) * weights_BxT)
+    correct_BxT = jnp.argmax(logits, axis=-1) == targets_BxT
+    return (
+        jnp.sum((log_z_BxT - target_logit_BxT) * weights_BxT),
+        jnp.sum(jnp.square(log_z_BxT) * weights_BxT),
+        jnp.sum(jnp.where(correct_BxT, weights_BxT, 0.0)),
+    )
 
 
 def objective(x_BxTxD, logits: Logits, targets_BxT, weights_BxT, z_loss: float, chunk: int):
@@ -62,6 +68,6 @@ def chunked_cross_entropy(x_BxTxD, logits: Logits, targets_BxT, weights_BxT, z_l
         x_BxCxD, targets_BxC, weights_BxC = chunk
         return _sums(logits(x_BxCxD), targets_BxC, weights_BxC)
 
-    nll_N, z_N = jax.lax.map(one, (x_NxBxCxD, targets_NxBxC, weights_NxBxC))
+    nll_N, z_N, correct_N = jax.lax.map(one, (x_NxBxCxD, targets_NxBxC, weights_NxBxC))
     nll_sum, z_sum = jnp.sum(nll_N), jnp.sum(z_N)
-    return nll_sum + z_loss * z_sum, nll_sum, jnp.sum(weights_BxT)
+    return nll_sum + z_loss * z_sum, nll_sum, jnp.sum(weights_BxT), jnp.sum(correct_N)

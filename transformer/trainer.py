@@ -29,6 +29,25 @@ from transformer.model.transformer import layer_slots
 from transformer.optim import make_optimizer, schedule
 
 
+def model_inputs(batch: dict) -> tuple:
+    """The positional arguments of `Transformer.forward` in a batch: the stream whose logits are
+    trained (the decoder's in an encoder-decoder), its positions and document ids (None: 0..T-1, one document)."""
+    return batch["inputs"], batch.get("positions"), batch.get("segment_ids")
+
+
+# batch key -> keyword argument of Transformer.forward: what an encoder-decoder's encoder reads
+ENCODER_INPUTS = {
+    "encoder_inputs": "encoder_tokens_BxS",
+    "encoder_positions": "encoder_positions_BxS",
+    "encoder_segment_ids": "encoder_segment_ids_BxS",
+}
+
+
+def encoder_inputs(batch: dict) -> dict:
+    """The encoder's keyword arguments of `Transformer.forward` in a batch ({} without an encoder)."""
+    return {arg: batch[key] for key, arg in ENCODER_INPUTS.items() if key in batch}
+
+
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: the number of updates applied
     params: dict
@@ -138,15 +157,15 @@ class Trainer:
 
     def _loss(self, params, batch, key):
         model = nnx.merge(self.graphdef, params)
-        x_BxTxD, routing = model.forward(batch["inputs"], batch.get("positions"), batch.get("segment_ids"), key=key)
+        x_BxTxD, routing = model.forward(*model_inputs(batch), key=key, **encoder_inputs(batch))
         weights = batch.get("weights", jnp.ones(batch["targets"].shape, jnp.float32))
-        objective, nll_sum, count = loss.objective(
+        objective, nll_sum, count, correct = loss.objective(
             x_BxTxD, model.logits, batch["targets"], weights, self.cfg.train.z_loss, self.cfg.loss_chunk
         )
         if routing:  # the MoE losses are means over tokens: as sums, like the objective
             m = self.cfg.model
             objective += count * (m.moe_aux_loss * routing["moe_aux_loss"] + m.moe_z_loss * routing["router_z_loss"])
-        return objective, (nll_sum, count, routing)
+        return objective, (nll_sum, count, routing, correct)
 
     def _train_step(self, state: TrainState, batch: dict, controls: dict) -> tuple[TrainState, dict]:
         """One update. `controls` (see `default_controls`) carry the host's decisions into the step:
@@ -184,7 +203,7 @@ class Trainer:
             grads, nll_sum, count, routing = carry
             micro_batch, index = xs
             key = None if step_key is None else jax.random.fold_in(step_key, index)
-            g, (n, c, r) = grad_fn(state.params, micro_batch, key)
+            g, (n, c, r, _) = grad_fn(state.params, micro_batch, key)
             routing = {k: routing[k] + c * r[k] for k in routing}
             return (jax.tree.map(jnp.add, grads, g), nll_sum + n, count + c, routing), None
 
@@ -206,11 +225,12 @@ class Trainer:
 
     def _stats_step(self, params, batch) -> dict:
         model = nnx.merge(self.graphdef, params)
-        return model.stability_stats(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+        return model.stability_stats(*model_inputs(batch), **encoder_inputs(batch))
 
-    def _eval_step(self, params, batch) -> tuple[jax.Array, jax.Array]:
-        _, (nll_sum, count, _) = self._loss(params, batch, None)
-        return nll_sum, count
+    def _eval_step(self, params, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(nll sum, target count, count of targets predicted right) of one batch."""
+        _, (nll_sum, count, _, correct) = self._loss(params, batch, None)
+        return nll_sum, count, correct
 
     # --- host-side helpers ------------------------------------------------------------------------
     def initial_state(self) -> TrainState:
@@ -250,22 +270,34 @@ class Trainer:
             own = self._evaluate(params, part.data)
             out[f"val/{part.name}/loss"] = own["val_loss"]
             out[f"val/{part.name}/bits_per_byte"] = own["val_bits_per_byte"]
-        loss = sum(p.weight * out[f"val/{p.name}/loss"] for p in data.parts)
-        bpb = sum(p.weight * out[f"val/{p.name}/bits_per_byte"] for p in data.parts)
-        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)), "val_bits_per_byte": bpb, **out}
+            out[f"val/{part.name}/accuracy"] = own["val_accuracy"]
+        loss, bpb, accuracy = (
+            sum(p.weight * out[f"val/{p.name}/{name}"] for p in data.parts)
+            for name in ("loss", "bits_per_byte", "accuracy")
+        )
+        return {
+            "val_loss": loss,
+            "val_perplexity": math.exp(min(loss, 700.0)),
+            "val_bits_per_byte": bpb,
+            "val_accuracy": accuracy,
+            **out,
+        }
 
     def _evaluate(self, params, data: Data) -> dict[str, float]:
         B = self.cfg.train.batch_size
         pidx, pcount = jax.process_index(), jax.process_count()
         per = B // pcount
-        nll, count = 0.0, 0.0
+        nll, count, correct = 0.0, 0.0, 0.0
         for batch in data.val_batches(B):
             local = {k: v[pidx * per : (pidx + 1) * per] for k, v in batch.items()}
-            n, c = self.eval_step(params, self.put_batch(local, B))
-            nll, count = nll + float(n), count + float(c)
+            n, c, r = self.eval_step(params, self.put_batch(local, B))
+            nll, count, correct = nll + float(n), count + float(c), correct + float(r)
         loss = nll / count
-        return {
+        out = {
             "val_loss": loss,
             "val_perplexity": math.exp(min(loss, 700.0)),
-            "val_bits_per_byte": loss / math.log(2) / data.val_bytes_per_token,
+            "val_accuracy": correct / count,  # of the predicted tokens: every one, or the masked ones (mlm)
         }
+        if self.cfg.data.objective == "causal":  # elsewhere not every byte of the text is predicted
+            out["val_bits_per_byte"] = loss / math.log(2) / data.val_bytes_per_token
+        return out
