@@ -81,11 +81,16 @@ def curves(report: Report, key: str, ylabel: str, log_y: bool = False, smooth: b
     return fig
 
 
-# Per-layer routing statistics of mixture-of-experts runs, indexed over their MoE layers.
-MOE_PER_LAYER = [
+# Per-layer statistics only some runs have: the encoder stack and cross-attention of encoder-decoders,
+# and the routing of mixtures of experts (indexed over their MoE layers).
+OPTIONAL_PER_LAYER = [
+    ("encoder_residual_rms", "encoder residual RMS"),
+    ("encoder_attn_entropy", "encoder attention entropy (nats)"),
+    ("cross_attn_entropy", "cross-attention entropy (nats)"),
     ("layer_expert_load_max", "busiest expert's share of tokens"),
     ("router_entropy", "router entropy (nats)"),
 ]
+MOE_PER_LAYER = ("layer_expert_load_max", "router_entropy")  # their x axis counts MoE layers only
 
 
 def per_layer(report: Report) -> Figure | None:
@@ -94,7 +99,7 @@ def per_layer(report: Report) -> Figure | None:
     variant (mean over seeds), or, with many variants, per level of the compared key and depth
     (mean over everything else)."""
     keys = [("residual_rms", "residual RMS"), ("attn_entropy", "attention entropy (nats)")]
-    keys += [(k, label) for k, label in MOE_PER_LAYER if any(r.last_list(k) for r in report.runs)]
+    keys += [(k, label) for k, label in OPTIONAL_PER_LAYER if any(r.last_list(k) for r in report.runs)]
     if not any(r.last_list(k) for r in report.runs for k, _ in keys):
         return None
     groups: dict[str, list] = {}
@@ -111,7 +116,7 @@ def per_layer(report: Report) -> Figure | None:
                 continue
             mean = np.nanmean(np.array(lists), axis=0)
             ax.plot(np.arange(len(mean)), mean, marker="o", ms=3, color=color, label=name)
-        xlabel = "MoE layer" if key in dict(MOE_PER_LAYER) else "layer"
+        xlabel = "MoE layer" if key in MOE_PER_LAYER else "layer"
         ax.set(xlabel=xlabel, ylabel=label, title=f"{label} at the end")
         ax.grid(alpha=0.3)
     if axes[0].get_legend_handles_labels()[0]:

@@ -89,11 +89,18 @@ def _per_layer_metrics(cfg: Config, grads: dict, updates: dict, params: dict) ->
         return jnp.stack([norms[stack][j] for stack, j in slots])
 
     stacks = {stack for stack, _ in slots}
-    return {
+    out = {
         "grad_norm_attn": in_layer_order({s: _per_layer_norm(grads[s]["attn"]) for s in stacks}),
         "grad_norm_ffn": in_layer_order({s: _per_layer_norm(grads[s]["ffn"]) for s in stacks}),
         "update_ratio": in_layer_order({s: _per_layer_norm(updates[s]) / _per_layer_norm(params[s]) for s in stacks}),
     }
+    if "cross_attn" in grads.get("blocks", {}):  # an encoder-decoder's decoder layers, and its encoder's
+        out["grad_norm_cross_attn"] = _per_layer_norm(grads["blocks"]["cross_attn"])
+        encoder = "encoder_blocks"
+        out["encoder_grad_norm_attn"] = _per_layer_norm(grads[encoder]["attn"])
+        out["encoder_grad_norm_ffn"] = _per_layer_norm(grads[encoder]["ffn"])
+        out["encoder_update_ratio"] = _per_layer_norm(updates[encoder]) / _per_layer_norm(params[encoder])
+    return out
 
 
 def default_controls(
