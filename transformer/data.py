@@ -505,6 +505,9 @@ def _pair_rows(cfg: DataConfig, split, name: str):
 def _load_pair_splits(cfg: DataConfig, fingerprint: str) -> tuple[dict, tuple[int, int], str]:
     """As `_load_splits` for input/target pairs: the source's validation split, else a split by the
     input's content hash (a pair and any pair with the same input on one side only)."""
+    for key in ("val_source", "document_separator"):
+        if getattr(cfg, key) is not None:
+            raise DataError(f"data.{key}: applies to text sources, and {cfg.source} gives input/target pairs")
     loaded = _as_dict(_documents(cfg))
     if cfg.train_split not in loaded:
         raise DataError(f"data.train_split: {cfg.train_split!r} is not a split of {cfg.source} ({', '.join(loaded)})")
@@ -674,7 +677,9 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> To
             tok = HFTokenizer(saved.read_text())
         else:
             _check_writable(cache_dir)
-            texts = load_splits(cfg)["train"][cfg.text_field]
+            train = load_splits(cfg)["train"]
+            # a pair source's BPE learns from its inputs and its targets
+            texts = (t for field in (pair_fields(cfg) if cfg.pairs else (cfg.text_field,)) for t in train[field])
             try:
                 tok = train_bpe(_prefix(texts, BPE_TRAIN_BYTES), cfg.vocab_size)
             except TokenizerError as e:
@@ -1294,8 +1299,14 @@ def startup_line(cfg: DataConfig, summary: dict, batch_size: int, steps: int) ->
         f"data: {cfg.source}: train {summary['train_tokens']:,} tokens ({summary['train_documents']:,} documents), "
         f"val {summary['val_tokens']:,} tokens ({summary['val_documents']:,} documents); {how}"
     )
-    epochs = steps * batch_size * cfg.seq_len / summary["train_tokens"]
-    line += f"; {steps:,} steps of {batch_size} x {cfg.seq_len} tokens make {epochs:.3g} epochs of the training split"
+    if cfg.pairs:  # a row is a pair (its tokens counted above are the inputs')
+        epochs = steps * batch_size / summary["train_documents"]
+        line += f"; {steps:,} steps of {batch_size} pairs make {epochs:.3g} epochs of the training pairs"
+    else:
+        epochs = steps * batch_size * cfg.seq_len / summary["train_tokens"]
+        line += (
+            f"; {steps:,} steps of {batch_size} x {cfg.seq_len} tokens make {epochs:.3g} epochs of the training split"
+        )
     if epochs > REPEAT_WARNING:
         line += f": it repeats each training token ~{epochs:.0f} times, expect memorisation (more data or fewer steps)"
     return line

@@ -125,14 +125,6 @@ def document_layout(inputs_BxT: np.ndarray, eos_id: int) -> dict[str, np.ndarray
     return {"segment_ids": segment_ids, "positions": (index - start_index).astype(np.int32)}
 
 
-class Split(Protocol):
-    """What an objective reads rows from: data.Windows (text) or data.Pairs."""
-
-    def batch(self, ids: np.ndarray) -> dict[str, np.ndarray]: ...
-
-    def pairs(self, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]: ...
-
-
 class Objective(Protocol):
     @property
     def vocab(self) -> Vocab: ...
@@ -143,9 +135,15 @@ class Objective(Protocol):
     @property
     def document_mask(self) -> bool: ...  # whether its windows carry document_layout themselves (causal)
 
-    def batch(self, split, ids: np.ndarray, keys: np.ndarray) -> dict[str, np.ndarray]: ...
+    @property
+    def lengths(self) -> tuple[int, int | None]: ...  # (T: tokens per row of `inputs`, S: per encoder row or None)
 
-    def bytes_per_token(self, meta: dict) -> float: ...
+    def batch(self, split, ids: np.ndarray, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """The batch of rows `ids` of `split` (data.Windows or data.Pairs), row b drawing its
+        randomness from keys[b] (`train_keys`, `val_keys`)."""
+        ...
+
+    def bytes_per_token(self, meta: dict) -> float: ...  # of a split, from its cache meta; NaN: no bits per byte
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +153,10 @@ class CausalLM:
     vocab: Vocab
     window_len: int
     document_mask: bool
+
+    @property
+    def lengths(self) -> tuple[int, int | None]:
+        return self.window_len, None
 
     def batch(self, split, ids: np.ndarray, keys: np.ndarray) -> dict[str, np.ndarray]:
         return split.batch(ids)
@@ -183,6 +185,10 @@ class MaskedLM:
     random_token_fraction: float
     document_mask = False  # the layout is always given (an encoder must not attend across documents)
     bytes_per_token = staticmethod(_not_per_byte)
+
+    @property
+    def lengths(self) -> tuple[int, int | None]:
+        return self.window_len, None
 
     def batch(self, split, ids: np.ndarray, keys: np.ndarray) -> dict[str, np.ndarray]:
         tokens_BxT = split.batch(ids)["inputs"]
@@ -249,6 +255,10 @@ class SpanCorruption:
         """T: a sentinel per span, the noise tokens, EOS."""
         noise, spans = self.counts
         return noise + spans + 1
+
+    @property
+    def lengths(self) -> tuple[int, int | None]:
+        return self.decoder_len, self.encoder_len
 
     def batch(self, split, ids: np.ndarray, keys: np.ndarray) -> dict[str, np.ndarray]:
         tokens_BxL = split.batch(ids)["inputs"]
@@ -356,6 +366,10 @@ class Seq2Seq(PairObjective):
     the decoder reads BOS + target and predicts target + EOS; padding has segment 0 on both sides, so
     it only ever meets padding in cross-attention."""
 
+    @property
+    def lengths(self) -> tuple[int, int | None]:
+        return self.target_len, self.input_len
+
     def batch(self, split, ids: np.ndarray, keys: np.ndarray) -> dict[str, np.ndarray]:
         t = self.vocab.tokenizer
         inputs, targets = self.cut(split, ids)
@@ -382,6 +396,10 @@ class PrefixLM(PairObjective):
     @property
     def row_len(self) -> int:
         return self.input_len + self.target_len
+
+    @property
+    def lengths(self) -> tuple[int, int | None]:
+        return self.row_len, None
 
     def batch(self, split, ids: np.ndarray, keys: np.ndarray) -> dict[str, np.ndarray]:
         t = self.vocab.tokenizer
