@@ -301,9 +301,20 @@ def write_pairs(path: Path, n: int) -> str:
 
 def test_pairs_from_a_jsonl_file(tmp_path):
     source = write_pairs(tmp_path / "pairs.jsonl", 300)
-    data = prepare(
-        tmp_path, source, seq_len=16, objective="seq2seq", input_field="src", target_field="tgt", val_fraction=0.1
+    with open(tmp_path / "pairs.jsonl", "a") as f:
+        f.write(json.dumps({"id": 300, "src": "no target", "tgt": None}) + "\n")
+    messages: list[str] = []
+    cfg = DataConfig(
+        source=source,
+        cache_dir=str(tmp_path / "cache"),
+        seq_len=16,
+        objective="seq2seq",
+        input_field="src",
+        target_field="tgt",
+        val_fraction=0.1,
     )
+    data = D.prepare(cfg, 4, 0, log=messages.append)
+    assert any("1 of 301 rows" in m and "('src', 'tgt')" in m for m in messages), messages
     train = pair_strings(data, np.arange(data.train.count))
     val_in, _ = data.val.pairs(np.arange(data.val.count))
     assert data.train.count + data.val.count == 300 and data.val.count > 0

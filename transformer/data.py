@@ -35,7 +35,15 @@ import numpy as np
 
 from transformer.config import DataConfig, DataSource
 from transformer.errors import first_line
-from transformer.objectives import Objective, ObjectiveError, Vocab, make_objective, train_keys, val_keys
+from transformer.objectives import (
+    Objective,
+    ObjectiveError,
+    PairObjective,
+    Vocab,
+    make_objective,
+    train_keys,
+    val_keys,
+)
 from transformer.objectives import document_layout as document_layout
 from transformer.rundir import atomic_write
 from transformer.synthetic import RecallTask, Seq2seqTask
@@ -1159,9 +1167,10 @@ def _open_source(
     path = build_cache(cfg, tokenizer, cache_dir, log)
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("rows_without_text"):
+        fields = f"the pair fields {pair_fields(cfg)}" if cfg.pairs else f"data.text_field {cfg.text_field!r}"
         log(
             f"data: {meta['rows_without_text']:,} of {meta['rows']:,} rows of {cfg.source} are without text in "
-            f"data.text_field {cfg.text_field!r} (missing or null): left out"
+            f"{fields} (missing or null): left out"
         )
     train, val = _splits(cfg, objective, path, np.dtype(meta["dtype"]), batch_size, log)
     rule = meta.get("split") or split_rule(cfg)  # a cache made before the rule was recorded: ask the source
@@ -1188,31 +1197,30 @@ def _splits(
     """The cache's training and validation splits: text cut into the objective's windows, or pairs."""
     if not cfg.pairs:
         eos = objective.vocab.tokenizer.eos_id
-        train, val = (
+        windows = (
             Windows(
                 np.memmap(path / f"{s}.bin", dtype=dtype, mode="r"), objective.window_len, eos, objective.document_mask
             )
             for s in ("train", "val")
         )
-        _check_sizes(cfg, train, val, batch_size)
-        return train, val
-    train_pairs, val_pairs = Pairs.open(path, "train", dtype), Pairs.open(path, "val", dtype)
-    if train_pairs.count < batch_size:
+        train_windows, val_windows = windows
+        _check_sizes(cfg, train_windows, val_windows, batch_size)
+        return train_windows, val_windows
+    assert isinstance(objective, PairObjective)  # pairs are trained by pair objectives (Config refuses others)
+    train, val = Pairs.open(path, "train", dtype), Pairs.open(path, "val", dtype)
+    if train.count < batch_size:
         raise DataError(
-            f"data.source: the training split of {cfg.source} has {train_pairs.count:,} pairs, fewer than one global batch of {batch_size}"
+            f"data.source: the training split of {cfg.source} has {train.count:,} pairs, "
+            f"fewer than one global batch of {batch_size}"
         )
-    for name, split in (("training", train_pairs), ("validation", val_pairs)):
-        inputs, targets = split.lengths()
-        cut_inputs, cut_targets = (
-            int(np.sum(inputs > cfg.seq_len)),
-            int(np.sum(targets > (cfg.target_len or cfg.seq_len) - 1)),
-        )
-        if cut_inputs or cut_targets:
+    for name, split in (("training", train), ("validation", val)):
+        inputs, targets = objective.overlong(*split.lengths())
+        if inputs or targets:
             log(
-                f"data: of {split.count:,} {name} pairs, {cut_inputs:,} inputs are cut to data.seq_len and "
-                f"{cut_targets:,} targets to data.target_len - 1 tokens (room for EOS)"
+                f"data: of {split.count:,} {name} pairs, {inputs:,} inputs are cut to data.seq_len and "
+                f"{targets:,} targets to data.target_len - 1 tokens (room for EOS)"
             )
-    return train_pairs, val_pairs
+    return train, val
 
 
 def _prepare_mixture(

@@ -213,12 +213,23 @@ class MaskedLM:
         return chosen, np.where(is_random, random_ids, replaced).astype(tokens_T.dtype)
 
 
+def _positions(shape: tuple[int, int]) -> np.ndarray:
+    return np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy()
+
+
 def span_counts(length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
     """(noise tokens, noise spans) of a row of `length` tokens, T5's rule: round(length * density)
     noise tokens (at least 1, at most length - 1) in round(noise / mean) spans (at least 1, and no
     more than the non-noise tokens can separate)."""
     noise = min(max(round(length * noise_density), 1), length - 1)
     return noise, min(max(round(noise / mean_span_length), 1), length - noise)
+
+
+def span_lengths(length: int, noise_density: float, mean_span_length: float) -> tuple[int, int]:
+    """(S, T) of a row of `length` raw tokens: the encoder's non-noise tokens, a sentinel per span and
+    EOS; the decoder's sentinel per span, the noise tokens and EOS."""
+    noise, spans = span_counts(length, noise_density, mean_span_length)
+    return length - noise + spans + 1, noise + spans + 1
 
 
 def _segment_lengths(rng: np.random.Generator, n_items: int, n_segments: int) -> np.ndarray:
@@ -246,15 +257,13 @@ class SpanCorruption:
 
     @property
     def encoder_len(self) -> int:
-        """S: the text's non-noise tokens, a sentinel per span, EOS."""
-        noise, spans = self.counts
-        return self.window_len - noise + spans + 1
+        """S: the text's non-noise tokens, a sentinel per span, EOS (at most data.seq_len)."""
+        return span_lengths(self.window_len, self.noise_density, self.mean_span_length)[0]
 
     @property
     def decoder_len(self) -> int:
         """T: a sentinel per span, the noise tokens, EOS."""
-        noise, spans = self.counts
-        return noise + spans + 1
+        return span_lengths(self.window_len, self.noise_density, self.mean_span_length)[1]
 
     @property
     def lengths(self) -> tuple[int, int | None]:
@@ -272,7 +281,7 @@ class SpanCorruption:
             inputs=inputs_BxT,
             targets=targets_BxT,
             weights=np.ones(targets_BxT.shape, np.float32),
-            positions=np.broadcast_to(np.arange(self.decoder_len, dtype=np.int32), targets_BxT.shape).copy(),
+            positions=_positions(targets_BxT.shape),
             segment_ids=np.ones(targets_BxT.shape, np.int32),
         )
 
@@ -315,13 +324,8 @@ def _replace_spans(tokens_L: np.ndarray, dropped: np.ndarray, sentinels: np.ndar
 def raw_length(seq_len: int, noise_density: float, mean_span_length: float) -> int:
     """The most raw tokens whose corrupted encoder row (text, sentinels, EOS) fits `seq_len` (T5's
     compute_input_and_target_lengths)."""
-
-    def encoder_len(length: int) -> int:
-        noise, spans = span_counts(length, noise_density, mean_span_length)
-        return length - noise + spans + 1
-
     length = seq_len - 1
-    while encoder_len(length + 1) <= seq_len:
+    while span_lengths(length + 1, noise_density, mean_span_length)[0] <= seq_len:
         length += 1
     return length
 
@@ -332,10 +336,6 @@ def _padded(rows: list[np.ndarray], length: int, pad: int) -> tuple[np.ndarray, 
     real_BxL = np.arange(length) < np.asarray([len(r) for r in rows])[:, None]
     out_BxL[real_BxL] = np.concatenate([np.asarray(r, np.int64) for r in rows]) if rows else []
     return out_BxL, real_BxL.astype(np.int32)
-
-
-def _positions(shape: tuple[int, int]) -> np.ndarray:
-    return np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,6 +352,10 @@ class PairObjective:
     def bytes_per_token(self, meta: dict) -> float:
         """Per target token (EOS included): the loss covers the targets alone."""
         return meta["target_bytes"] / max(1, meta["target_tokens"])
+
+    def overlong(self, input_lengths: np.ndarray, target_lengths: np.ndarray) -> tuple[int, int]:
+        """How many of the inputs and of the targets of these lengths `cut` shortens."""
+        return int(np.sum(input_lengths > self.input_len)), int(np.sum(target_lengths > self.target_len - 1))
 
     def cut(self, split, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(inputs, targets + EOS) of the pairs `ids`, each cut to fit."""
