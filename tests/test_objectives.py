@@ -334,3 +334,25 @@ def test_a_missing_pair_field_names_the_key_and_the_fields(tmp_path):
         and "(fields: id, src, tgt)" in message
     )
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(objective="causal", document_mask=True),
+        dict(objective="mlm", **MLM_KEYS),
+        dict(objective="span", **SPAN_KEYS),
+        dict(source=SEQ2SEQ, objective="seq2seq", target_len=6),
+        dict(source=SEQ2SEQ, objective="prefix"),
+    ],
+)
+def test_example_batch_has_the_real_batchs_keys_shapes_and_dtypes(tmp_path, kw):
+    """What preflight compiles for, reckoned without the data, and the vocabulary likewise."""
+    data = prepare(tmp_path, **kw)
+    cfg = DataConfig(**{"source": RECALL, "seq_len": 32, **kw})
+    real, example = data.train_batch(0), D.example_batch(cfg)
+    assert {k: (v.shape[1:], v.dtype) for k, v in example.items()} == {
+        k: (v.shape[1:], v.dtype) for k, v in real.items()
+    }
+    assert len(next(iter(example.values()))) == 1
+    assert data.vocab_size == 259 + O.extra_ids(cfg)

@@ -969,6 +969,20 @@ class Pairs:
         return np.diff(self.input_offsets) - 1, np.diff(self.target_offsets) - 1
 
 
+def example_batch(cfg: DataConfig) -> dict[str, np.ndarray]:
+    """One row of the batch `cfg`'s objective makes, from a stand-in split of zeros: its keys, shapes
+    and dtypes without reading the data (what an abstract batch for compiling needs)."""
+    objective = make_objective(cfg, ByteTokenizer())
+    zeros, one = np.zeros(2, np.uint16), np.arange(2, dtype=np.int64) * 2  # one document: a token and EOS
+    length = objective.window_len
+    split = (
+        Pairs(zeros, one, zeros, one)
+        if cfg.pairs
+        else Windows(np.zeros(length + 1, np.uint16), length, ByteTokenizer.eos_id, objective.document_mask)
+    )
+    return objective.batch(split, np.zeros(1, np.int64), val_keys(np.zeros(1, np.int64)))
+
+
 class Sampler:
     """Global batch i = windows [i*B, (i+1)*B) of the endless sequence of per-epoch permutations.
     A mixture's sources each have one (`stream` = the source's index, so their orders differ)."""

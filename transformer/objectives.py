@@ -65,7 +65,11 @@ class Vocab:
     @property
     def size(self) -> int:
         """The model's vocabulary: Data.vocab_size."""
-        return self.base + self.n_mask + self.n_sentinels
+        return self.base + self.n_extra
+
+    @property
+    def n_extra(self) -> int:
+        return self.n_mask + self.n_sentinels
 
     @property
     def mask_id(self) -> int | None:
@@ -450,3 +454,11 @@ def make_objective(cfg: DataConfig, tokenizer: Tokenizer) -> Objective:
         raise ObjectiveError(f"data.seq_len: {cfg.seq_len} is too short for span corruption (at least 3)")
     _, spans = span_counts(length, cfg.noise_density, cfg.mean_span_length)
     return SpanCorruption(Vocab(tokenizer, n_sentinels=spans), length, cfg.noise_density, cfg.mean_span_length)
+
+
+def extra_ids(cfg: DataConfig) -> int:
+    """How many ids `cfg`'s objective adds after any tokenizer's, known without the tokenizer (for a
+    vocabulary reckoned before the data is prepared, as preflight does)."""
+    from transformer.tokenizer import ByteTokenizer
+
+    return make_objective(cfg, ByteTokenizer()).vocab.n_extra
