@@ -1,6 +1,6 @@
 """What one batch of each training objective holds, made from the token cache's windows or pairs.
 
-One class per `data.objective` (see FAMILIES in README): each turns the rows the sampler picked into
+One class per `data.objective` (README: Objectives): each turns the rows the sampler picked into
 the batch dict the trainer feeds the model, and owns the extra ids it needs after the tokenizer's
 vocabulary (`Vocab`): the MLM mask token, T5's sentinels.
 
@@ -415,11 +415,9 @@ class PrefixLM(PairObjective):
         rows = [np.concatenate([i, [t.bos_id], r]) for i, r in zip(inputs, targets)]
         inputs_BxR, real_BxR = _padded([r[:-1] for r in rows], self.row_len, t.pad_id)
         targets_BxR, _ = _padded([r[1:] for r in rows], self.row_len, t.pad_id)
-        index_R = np.arange(self.row_len)
-        first = np.asarray([len(i) for i in inputs])[
-            :, None
-        ]  # the separator's position predicts the target's first token
-        weights_BxR = (index_R >= first) & (real_BxR == 1)
+        # the separator, at position len(input), predicts the target's first token
+        separator_Bx1 = np.asarray([len(i) for i in inputs])[:, None]
+        weights_BxR = (np.arange(self.row_len) >= separator_Bx1) & (real_BxR == 1)
         return dict(
             inputs=inputs_BxR,
             targets=targets_BxR,
