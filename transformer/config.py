@@ -58,10 +58,8 @@ OBJECTIVES: dict[str, tuple[Objective, ...]] = {
 }
 # builtin:stdlib, the Python sources; builtin:recall[:opts] and builtin:seq2seq[:opts], see synthetic.py
 BUILTINS = ("stdlib", "recall", "seq2seq")
-BUILTIN_TASKS: dict[str, type[RecallTask] | type[Seq2seqTask]] = {
-    "recall": RecallTask,
-    "seq2seq": Seq2seqTask,
-}  # the builtins that take options
+# the builtins that take options: the task each parses them into
+BUILTIN_TASKS: dict[str, type[RecallTask] | type[Seq2seqTask]] = {"recall": RecallTask, "seq2seq": Seq2seqTask}
 
 
 class ConfigError(ValueError):
@@ -454,7 +452,8 @@ SourceKind = Literal["builtin", "hf", "files"]
 
 @dataclasses.dataclass(frozen=True)
 class DataSource:
-    """`data.source` parsed once: builtin:stdlib | builtin:recall[:opts] | hf:NAME[:CONFIG] | files:GLOB."""
+    """`data.source` parsed once: builtin:stdlib | builtin:recall[:opts] | builtin:seq2seq[:opts] |
+    hf:NAME[:CONFIG] | files:GLOB."""
 
     text: str  # as written, for messages
     kind: SourceKind
