@@ -524,6 +524,31 @@ def test_a_damaged_cache_is_detected_and_rebuilt(corpus, tmp_path, damage):
     np.testing.assert_array_equal(np.asarray(again.train.tokens), expected)
 
 
+def test_a_pair_cache_is_reused_and_its_damage_detected(tmp_path, monkeypatch):
+    """Pairs keep their own cache (inputs, targets, offsets): a second run reads it back; a target
+    offsets file lost or cut is caught and the cache rebuilt."""
+    source = "builtin:seq2seq:train_docs=200,val_docs=20"
+    cfg = config(source, tmp_path / "cache", objective="seq2seq")
+    first = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    expected = first.train_batch(2)
+    path = first.cache_path
+    restart()
+    with monkeypatch.context() as m:
+        m.setattr(D, "_tokenise_split", _no_tokenising)
+        again = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
+    for k in expected:
+        np.testing.assert_array_equal(again.train_batch(2)[k], expected[k], err_msg=k)
+    os.truncate(path / "val.target.offsets", 8)
+    assert not D._is_complete(path)
+    restart()
+    messages = []
+    rebuilt = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
+    assert any("tokenising" in m for m in messages) and D._is_complete(path)
+    np.testing.assert_array_equal(rebuilt.train_batch(2)["targets"], expected["targets"])
+    # the text cache of the same documents would be another: the pair fields are in the key
+    assert "pairs" in D._split_rules(cfg) and "pairs" not in D._split_rules(config("builtin:recall", tmp_path))
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -979,6 +1004,7 @@ def test_recall_through_the_data_pipeline(tmp_path):
         ("builtin:recall:pairs=8,distance=10", "distance must be >= 24"),
         ("builtin:recall:pairs=27", "pairs must be between 1 and 26"),
         ("builtin:stdlib:x", "takes no options"),
+        ("builtin:seq2seq:max_len=x", "max_len must be an integer"),
     ],
 )
 def test_bad_builtin_sources_are_config_errors(source, words):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from transformer.synthetic import RecallTask
+from transformer.synthetic import RecallTask, Seq2seqTask
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: configs/, train.py
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -56,7 +56,10 @@ OBJECTIVES: dict[str, tuple[Objective, ...]] = {
     "encoder": ("mlm",),
     "encoder_decoder": ("span", "seq2seq"),
 }
-BUILTINS = ("stdlib", "recall")  # builtin:stdlib, the Python sources; builtin:recall[:opts], see synthetic.py
+# builtin:stdlib, the Python sources; builtin:recall[:opts] and builtin:seq2seq[:opts], see synthetic.py
+BUILTINS = ("stdlib", "recall", "seq2seq")
+# the builtins that take options: the task each parses them into
+BUILTIN_TASKS: dict[str, type[RecallTask] | type[Seq2seqTask]] = {"recall": RecallTask, "seq2seq": Seq2seqTask}
 
 
 class ConfigError(ValueError):
@@ -449,7 +452,8 @@ SourceKind = Literal["builtin", "hf", "files"]
 
 @dataclasses.dataclass(frozen=True)
 class DataSource:
-    """`data.source` parsed once: builtin:stdlib | builtin:recall[:opts] | hf:NAME[:CONFIG] | files:GLOB."""
+    """`data.source` parsed once: builtin:stdlib | builtin:recall[:opts] | builtin:seq2seq[:opts] |
+    hf:NAME[:CONFIG] | files:GLOB."""
 
     text: str  # as written, for messages
     kind: SourceKind
@@ -457,6 +461,7 @@ class DataSource:
     config: str | None = None  # hf: the dataset's configuration, if named
     glob: str = ""  # files: a path, a directory or a glob (~ expanded when read)
     recall: RecallTask | None = None  # builtin:recall: the task its options describe
+    seq2seq: Seq2seqTask | None = None  # builtin:seq2seq: the task its options describe
 
     @classmethod
     def parse(cls, text: str, key: str = "source") -> DataSource:
@@ -476,14 +481,15 @@ class DataSource:
     def _parse_builtin(cls, text: str, arg: str, key: str) -> DataSource:
         corpus, _, options = arg.partition(":")
         _check(corpus in BUILTINS, key, f"unknown builtin corpus {arg!r} (builtin:{', builtin:'.join(BUILTINS)})")
-        if corpus != "recall":
+        if corpus not in BUILTIN_TASKS:
             _check(not options, key, f"builtin:{corpus} takes no options, got {options!r}")
             return cls(text, "builtin", name=corpus)
         try:
-            task = RecallTask.parse(options)
+            task = BUILTIN_TASKS[corpus].parse(options)
         except ValueError as e:
             raise ConfigError(key, f"{text}: {e}") from None
-        return cls(text, "builtin", name=corpus, recall=task)
+        parsed: dict[str, Any] = {corpus: task}  # the field named after the task holds it
+        return cls(text, "builtin", name=corpus, **parsed)
 
 
 # a source's name in a mixture becomes part of metric keys (val/<name>/loss) and report columns

@@ -35,8 +35,18 @@ import numpy as np
 
 from transformer.config import DataConfig, DataSource
 from transformer.errors import first_line
+from transformer.objectives import (
+    Objective,
+    ObjectiveError,
+    PairObjective,
+    Vocab,
+    make_objective,
+    train_keys,
+    val_keys,
+)
+from transformer.objectives import document_layout as document_layout
 from transformer.rundir import atomic_write
-from transformer.synthetic import RecallTask
+from transformer.synthetic import RecallTask, Seq2seqTask
 from transformer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_pretrained, train_bpe
 
 # 2: rows without text are left out (version 1 kept them as empty documents)
@@ -196,6 +206,8 @@ def source_fingerprint(cfg: DataConfig) -> str:
     source = cfg.source_spec
     if source.recall is not None:
         return "recall-v1-" + "-".join(f"{k}{v}" for k, v in dataclasses.asdict(source.recall).items())
+    if source.seq2seq is not None:
+        return "seq2seq-v1-" + "-".join(f"{k}{v}" for k, v in dataclasses.asdict(source.seq2seq).items())
     if source.kind == "builtin":
         root, files = _stdlib_files()
         return f"stdlib-{sys.version_info.major}.{sys.version_info.minor}-{_files_fingerprint(files, root)}"
@@ -210,6 +222,16 @@ def _documents_from_recall(cfg: DataConfig, task: RecallTask) -> dict:
     # its own splits, whatever their names
     return {
         name: datasets.Dataset.from_dict({cfg.text_field: task.documents(split)})
+        for name, split in ((cfg.train_split, "train"), (cfg.val_split, "val"))
+    }
+
+
+def _pairs_from_task(cfg: DataConfig, task: Seq2seqTask) -> dict:
+    import datasets
+
+    fields = pair_fields(cfg)
+    return {
+        name: datasets.Dataset.from_dict(dict(zip(fields, task.pairs(split))))
         for name, split in ((cfg.train_split, "train"), (cfg.val_split, "val"))
     }
 
@@ -364,6 +386,8 @@ def _documents(cfg: DataConfig):
     source = cfg.source_spec
     if source.recall is not None:
         return _documents_from_recall(cfg, source.recall)
+    if source.seq2seq is not None:
+        return _pairs_from_task(cfg, source.seq2seq)
     if source.kind == "builtin":
         return _documents_from_stdlib(cfg)
     if source.kind == "files":
@@ -397,16 +421,16 @@ def _loaded(cfg: DataConfig) -> tuple[dict, tuple[int, int], str]:
     fingerprint = source_fingerprint(cfg) if cfg.source_spec.kind == "files" else ""
     if cfg.val_source is not None and DataSource.parse(cfg.val_source).kind == "files":
         fingerprint += "+" + _val_fingerprint(cfg)
-    return _load_splits(cfg, fingerprint)
+    return (_load_pair_splits if cfg.pairs else _load_splits)(cfg, fingerprint)
 
 
-def _text_rows(cfg: DataConfig, split, name: str):
-    """`split` without its rows that have no text, and how many went. A value that is not text (a
-    number) is refused rather than turned into text, and so is a field mostly missing: both say
-    that data.text_field names the wrong column."""
+def _text_rows(cfg: DataConfig, split, name: str, key: str = "text_field", field: str | None = None):
+    """`split` without its rows that have no text in `field` (data.<key>'s), and how many went. A
+    value that is not text (a number) is refused rather than turned into text, and so is a field
+    mostly missing: both say that data.<key> names the wrong column."""
     import pyarrow as pa
 
-    field, total = cfg.text_field, len(split)
+    field, total = field or getattr(cfg, key), len(split)
     column = split.with_format("arrow")[field]
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         missing, not_text = column.null_count, 0
@@ -419,12 +443,12 @@ def _text_rows(cfg: DataConfig, split, name: str):
     where = f"of the {name} split of {cfg.source}"
     if not_text:
         raise DataError(
-            f"data.text_field: {field!r} holds values that are not text (numbers or other values) in {not_text} "
-            f"of {total} rows {where}; make them strings in the source, or name the text column in data.text_field"
+            f"data.{key}: {field!r} holds values that are not text (numbers or other values) in {not_text} "
+            f"of {total} rows {where}; make them strings in the source, or name the text column in data.{key}"
         )
     if missing > MAX_MISSING_TEXT * total:
         raise DataError(
-            f"data.text_field: {field!r} is missing or null in {missing} of {total} rows {where}; is it the "
+            f"data.{key}: {field!r} is missing or null in {missing} of {total} rows {where}; is it the "
             f"column that holds the text? (columns: {', '.join(split.column_names)})"
         )
     return (split if keep is None or len(keep) == total else split.select(keep)), missing
@@ -465,6 +489,45 @@ def _load_splits(cfg: DataConfig, fingerprint: str) -> tuple[dict, tuple[int, in
         return {"train": train, "val": val}, (dropped, rows), SOURCE
     train, val, rule = _divide(cfg, train)
     return {"train": train, "val": val}, (dropped, rows), rule
+
+
+def pair_fields(cfg: DataConfig) -> tuple[str, str]:
+    """The input and target fields of a pair source (builtin:seq2seq names its own)."""
+    return cfg.input_field or "input", cfg.target_field or "target"
+
+
+def _pair_rows(cfg: DataConfig, split, name: str):
+    """`split` with the rows that hold both an input and a target, and how many went."""
+    dropped = 0
+    for key, field in zip(("input_field", "target_field"), pair_fields(cfg)):
+        if field not in split.column_names:
+            raise DataError(
+                f"data.{key}: {field!r} is not a field of {cfg.source} (fields: {', '.join(split.column_names)})"
+            )
+        split, missing = _text_rows(cfg, split, name, key, field)
+        dropped += missing
+    return split, dropped
+
+
+@functools.lru_cache(maxsize=4)
+def _load_pair_splits(cfg: DataConfig, fingerprint: str) -> tuple[dict, tuple[int, int], str]:
+    """As `_load_splits` for input/target pairs: the source's validation split, else a split by the
+    input's content hash (a pair and any pair with the same input on one side only)."""
+    for key in ("val_source", "document_separator"):
+        if getattr(cfg, key) is not None:
+            raise DataError(f"data.{key}: applies to text sources, and {cfg.source} gives input/target pairs")
+    loaded = _as_dict(_documents(cfg))
+    if cfg.train_split not in loaded:
+        raise DataError(f"data.train_split: {cfg.train_split!r} is not a split of {cfg.source} ({', '.join(loaded)})")
+    rows = len(loaded[cfg.train_split])
+    train, dropped = _pair_rows(cfg, loaded[cfg.train_split], cfg.train_split)
+    if cfg.val_split in loaded:
+        val, dropped_val = _pair_rows(cfg, loaded[cfg.val_split], cfg.val_split)
+        _check_splits(cfg, train, val, SOURCE)
+        return {"train": train, "val": val}, (dropped + dropped_val, rows + len(loaded[cfg.val_split])), SOURCE
+    train, val, _ = _hash_split(dataclasses.replace(cfg, text_field=pair_fields(cfg)[0]), train)
+    _check_splits(cfg, train, val, HASH)
+    return {"train": train, "val": val}, (dropped, rows), HASH
 
 
 def _separate(cfg: DataConfig, split):
@@ -622,7 +685,9 @@ def make_tokenizer(cfg: DataConfig, workdir: Path | None, cache_dir: Path) -> To
             tok = HFTokenizer(saved.read_text())
         else:
             _check_writable(cache_dir)
-            texts = load_splits(cfg)["train"][cfg.text_field]
+            train = load_splits(cfg)["train"]
+            # a pair source's BPE learns from its inputs and its targets
+            texts = (t for field in (pair_fields(cfg) if cfg.pairs else (cfg.text_field,)) for t in train[field])
             try:
                 tok = train_bpe(_prefix(texts, BPE_TRAIN_BYTES), cfg.vocab_size)
             except TokenizerError as e:
@@ -689,6 +754,8 @@ def _split_rules(cfg: DataConfig, rule: str = HASH) -> dict:
         rules["val_source"] = _val_fingerprint(cfg)
     if rule == POSITION:
         rules["rule"] = POSITION
+    if cfg.pairs:
+        rules["pairs"] = list(pair_fields(cfg))
     return rules
 
 
@@ -721,7 +788,8 @@ def _is_complete(path: Path) -> bool:
     try:
         meta = json.loads((path / "meta.json").read_text())
         itemsize = np.dtype(meta["dtype"]).itemsize
-        return all((path / f"{s}.bin").stat().st_size == meta[s]["tokens"] * itemsize for s in ("train", "val"))
+        sizes = {f"{s}.bin": meta[s]["tokens"] * itemsize for s in ("train", "val")} | meta.get("files", {})
+        return all((path / name).stat().st_size == size for name, size in sizes.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -767,7 +835,11 @@ def build_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path, log: Cal
     )
     try:
         for name, split in load_splits(cfg).items():
-            meta[name] = _tokenise_split(split, cfg.text_field, tokenizer, dtype, partial / f"{name}.bin")
+            if cfg.pairs:
+                meta[name] = _tokenise_pairs(cfg, split, tokenizer, dtype, partial / name)
+            else:
+                meta[name] = _tokenise_split(split, cfg.text_field, tokenizer, dtype, partial / f"{name}.bin")
+        meta["files"] = {f.name: f.stat().st_size for f in partial.iterdir()}
         meta["rows_without_text"], meta["rows"] = rows_without_text(cfg)
         meta["split"] = split_rule(cfg)
         (partial / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -781,7 +853,22 @@ def build_cache(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path, log: Cal
     return final
 
 
-def _tokenise_split(split, text_field: str, tokenizer: Tokenizer, dtype: np.dtype, path: Path) -> dict:
+def _tokenise_pairs(cfg: DataConfig, split, tokenizer: Tokenizer, dtype: np.dtype, stem: Path) -> dict:
+    """A split's inputs and targets as two ragged streams, each document followed by EOS, with the
+    offsets of the documents (<stem>.bin, <stem>.offsets, <stem>.target.bin, <stem>.target.offsets)."""
+    field, target = pair_fields(cfg)
+    meta = _tokenise_split(split, field, tokenizer, dtype, stem.with_suffix(".bin"), stem.with_suffix(".offsets"))
+    out = _tokenise_split(
+        split, target, tokenizer, dtype, stem.with_suffix(".target.bin"), stem.with_suffix(".target.offsets")
+    )
+    return meta | {"target_tokens": out["tokens"], "target_bytes": out["bytes"]}
+
+
+def _tokenise_split(
+    split, text_field: str, tokenizer: Tokenizer, dtype: np.dtype, path: Path, offsets: Path | None = None
+) -> dict:
+    """Write the split's documents, each followed by EOS, to `path` (and where each starts, int64,
+    to `offsets` when given): its counts of documents, tokens and bytes."""
     eos = tokenizer.eos_id
 
     def encode(batch):
@@ -804,12 +891,15 @@ def _tokenise_split(split, text_field: str, tokenizer: Tokenizer, dtype: np.dtyp
         new_fingerprint=None,
         keep_in_memory=True,
     )
-    n_tokens = 0
+    n_tokens, lengths = 0, [np.zeros(1, np.int64)]
     with open(path, "wb") as out:
         for chunk in encoded.data.column("ids").chunks:
             values = chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
             out.write(values.tobytes())
             n_tokens += len(values)
+            lengths.append(np.diff(chunk.offsets.to_numpy()))
+    if offsets is not None:
+        offsets.write_bytes(np.cumsum(np.concatenate(lengths), dtype=np.int64).tobytes())
     n_bytes = int(np.sum(encoded.data.column("n_bytes").to_numpy()))
     return dict(documents=len(split), tokens=n_tokens, bytes=n_bytes)
 
@@ -840,16 +930,57 @@ class Windows:
         return batch
 
 
-def document_layout(inputs_BxT: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
-    """Segment ids (a new document starts after each EOS) and positions restarting per document."""
-    B, T = inputs_BxT.shape
-    starts = np.zeros((B, T), bool)
-    starts[:, 0] = True
-    starts[:, 1:] = inputs_BxT[:, :-1] == eos_id
-    segment_ids = np.cumsum(starts, axis=1, dtype=np.int32) - 1
-    index = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-    start_index = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-    return {"segment_ids": segment_ids, "positions": (index - start_index).astype(np.int32)}
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """A split's input/target pairs: two ragged token streams (each document followed by EOS) and
+    where each document starts, all memory-mapped. `count` pairs, sampled as windows are."""
+
+    inputs: np.ndarray
+    input_offsets: np.ndarray  # [count + 1]
+    targets: np.ndarray
+    target_offsets: np.ndarray
+
+    @classmethod
+    def open(cls, path: Path, split: str, dtype: np.dtype) -> Pairs:
+        def stream(name: str, kind: np.dtype) -> np.ndarray:
+            return np.memmap(path / name, dtype=kind, mode="r")
+
+        return cls(
+            stream(f"{split}.bin", dtype),
+            stream(f"{split}.offsets", np.dtype(np.int64)),
+            stream(f"{split}.target.bin", dtype),
+            stream(f"{split}.target.offsets", np.dtype(np.int64)),
+        )
+
+    @property
+    def count(self) -> int:
+        return len(self.input_offsets) - 1
+
+    def pairs(self, ids: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(inputs, targets) of pairs `ids`, without their EOS."""
+
+        def docs(stream: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+            return [np.asarray(stream[offsets[k] : offsets[k + 1] - 1], np.int64) for k in ids]
+
+        return docs(self.inputs, self.input_offsets), docs(self.targets, self.target_offsets)
+
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens of each input and each target (EOS not counted)."""
+        return np.diff(self.input_offsets) - 1, np.diff(self.target_offsets) - 1
+
+
+def example_batch(cfg: DataConfig) -> dict[str, np.ndarray]:
+    """One row of the batch `cfg`'s objective makes, from a stand-in split of zeros: its keys, shapes
+    and dtypes without reading the data (what an abstract batch for compiling needs)."""
+    objective = make_objective(cfg, ByteTokenizer())
+    zeros, one = np.zeros(2, np.uint16), np.arange(2, dtype=np.int64) * 2  # one document: a token and EOS
+    length = objective.window_len
+    split = (
+        Pairs(zeros, one, zeros, one)
+        if cfg.pairs
+        else Windows(np.zeros(length + 1, np.uint16), length, ByteTokenizer.eos_id, objective.document_mask)
+    )
+    return objective.batch(split, np.zeros(1, np.int64), val_keys(np.zeros(1, np.int64)))
 
 
 class Sampler:
@@ -956,20 +1087,27 @@ class Data:
     each source's own Data and train, val and the val fields are those of the first source."""
 
     tokenizer: Tokenizer
-    train: Windows
-    val: Windows
+    train: Windows | Pairs
+    val: Windows | Pairs
     sampler: Sampler | MixtureSampler
-    val_window_ids: np.ndarray
+    val_window_ids: np.ndarray  # the fixed validation windows (or pairs)
+    # NaN where bits per byte means nothing (mlm, span); per target token for pairs
     val_bytes_per_token: float
     cache_path: Path
+    objective: Objective  # what a batch holds (data.objective), with the extra ids it needs
     # how the source was divided (SOURCE, HASH, POSITION, VAL_SOURCE) and the sizes of the splits:
     # the `data` field of the run's start event
     summary: dict = dataclasses.field(default_factory=dict)
     parts: tuple[Part, ...] = ()
 
     @property
+    def vocab(self) -> Vocab:
+        """The ids the model sees: the tokenizer's, then the objective's mask token and sentinels."""
+        return self.objective.vocab
+
+    @property
     def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+        return self.vocab.size
 
     def train_batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step` (rows split evenly over processes, in order)."""
@@ -979,7 +1117,8 @@ class Data:
         per = B // process_count
         rows = range(process_index * per, (process_index + 1) * per)
         if not isinstance(self.sampler, MixtureSampler):
-            return self.train.batch(self.sampler.window_ids(step, rows))
+            keys = train_keys(self.sampler.seed, step, np.arange(rows.start, rows.stop))
+            return self.objective.batch(self.train, self.sampler.window_ids(step, rows), keys)
         source, windows = self.sampler.locate(step, rows)
         out: dict[str, np.ndarray] = {}
         for j in np.unique(source):
@@ -997,8 +1136,9 @@ class Data:
             ids = self.val_window_ids[start : start + batch_size]
             real = len(ids)
             ids = np.concatenate([ids, np.repeat(ids[:1], batch_size - real)])
-            batch = self.val.batch(ids)
-            batch["weights"] = (np.arange(batch_size) < real)[:, None].repeat(self.val.seq_len, 1).astype(np.float32)
+            batch = self.objective.batch(self.val, ids, val_keys(ids))
+            real_B = (np.arange(batch_size) < real).astype(np.float32)
+            batch["weights"] = batch.get("weights", np.ones(batch["targets"].shape, np.float32)) * real_B[:, None]
             out.append(batch)
         return out
 
@@ -1034,18 +1174,19 @@ def _open_source(
 ) -> Data:
     """One source's Data over its token cache (built if missing); `stream` keeps the training
     orders of a mixture's sources apart (None: a single source's, as before mixtures)."""
+    try:
+        objective = make_objective(cfg, tokenizer)
+    except ObjectiveError as e:
+        raise DataError(str(e)) from None
     path = build_cache(cfg, tokenizer, cache_dir, log)
     meta = json.loads((path / "meta.json").read_text())
     if meta.get("rows_without_text"):
+        fields = f"the pair fields {pair_fields(cfg)}" if cfg.pairs else f"data.text_field {cfg.text_field!r}"
         log(
             f"data: {meta['rows_without_text']:,} of {meta['rows']:,} rows of {cfg.source} are without text in "
-            f"data.text_field {cfg.text_field!r} (missing or null): left out"
+            f"{fields} (missing or null): left out"
         )
-    dtype = np.dtype(meta["dtype"])
-    streams = {s: np.memmap(path / f"{s}.bin", dtype=dtype, mode="r") for s in ("train", "val")}
-    train = Windows(streams["train"], cfg.seq_len, tokenizer.eos_id, cfg.document_mask)
-    val = Windows(streams["val"], cfg.seq_len, tokenizer.eos_id, cfg.document_mask)
-    _check_sizes(cfg, train, val, batch_size)
+    train, val = _splits(cfg, objective, path, np.dtype(meta["dtype"]), batch_size, log)
     rule = meta.get("split") or split_rule(cfg)  # a cache made before the rule was recorded: ask the source
     summary = dict(split=rule, **{f"{s}_{n}": meta[s][n] for s in ("train", "val") for n in ("tokens", "documents")})
     # evenly spaced over the whole validation split, independent of the run's seed and batch size
@@ -1057,10 +1198,43 @@ def _open_source(
         val=val,
         sampler=Sampler(train.count, batch_size, seed, stream),
         val_window_ids=val_ids,
-        val_bytes_per_token=meta["val"]["bytes"] / max(1, meta["val"]["tokens"]),
+        val_bytes_per_token=objective.bytes_per_token(meta["val"]),
         cache_path=path,
+        objective=objective,
         summary=summary,
     )
+
+
+def _splits(
+    cfg: DataConfig, objective: Objective, path: Path, dtype: np.dtype, batch_size: int, log: Callable[[str], None]
+) -> tuple[Windows, Windows] | tuple[Pairs, Pairs]:
+    """The cache's training and validation splits: text cut into the objective's windows, or pairs."""
+    if not cfg.pairs:
+        eos = objective.vocab.tokenizer.eos_id
+        windows = (
+            Windows(
+                np.memmap(path / f"{s}.bin", dtype=dtype, mode="r"), objective.window_len, eos, objective.document_mask
+            )
+            for s in ("train", "val")
+        )
+        train_windows, val_windows = windows
+        _check_sizes(cfg, train_windows, val_windows, batch_size)
+        return train_windows, val_windows
+    assert isinstance(objective, PairObjective)  # pairs are trained by pair objectives (Config refuses others)
+    train, val = Pairs.open(path, "train", dtype), Pairs.open(path, "val", dtype)
+    if train.count < batch_size:
+        raise DataError(
+            f"data.source: the training split of {cfg.source} has {train.count:,} pairs, "
+            f"fewer than one global batch of {batch_size}"
+        )
+    for name, split in (("training", train), ("validation", val)):
+        inputs, targets = objective.overlong(*split.lengths())
+        if inputs or targets:
+            log(
+                f"data: of {split.count:,} {name} pairs, {inputs:,} inputs are cut to data.seq_len and "
+                f"{targets:,} targets to data.target_len - 1 tokens (room for EOS)"
+            )
+    return train, val
 
 
 def _prepare_mixture(
@@ -1147,8 +1321,14 @@ def startup_line(cfg: DataConfig, summary: dict, batch_size: int, steps: int) ->
         f"data: {cfg.source}: train {summary['train_tokens']:,} tokens ({summary['train_documents']:,} documents), "
         f"val {summary['val_tokens']:,} tokens ({summary['val_documents']:,} documents); {how}"
     )
-    epochs = steps * batch_size * cfg.seq_len / summary["train_tokens"]
-    line += f"; {steps:,} steps of {batch_size} x {cfg.seq_len} tokens make {epochs:.3g} epochs of the training split"
+    if cfg.pairs:  # a row is a pair (its tokens counted above are the inputs')
+        epochs = steps * batch_size / summary["train_documents"]
+        line += f"; {steps:,} steps of {batch_size} pairs make {epochs:.3g} epochs of the training pairs"
+    else:
+        epochs = steps * batch_size * cfg.seq_len / summary["train_tokens"]
+        line += (
+            f"; {steps:,} steps of {batch_size} x {cfg.seq_len} tokens make {epochs:.3g} epochs of the training split"
+        )
     if epochs > REPEAT_WARNING:
         line += f": it repeats each training token ~{epochs:.0f} times, expect memorisation (more data or fewer steps)"
     return line

@@ -31,6 +31,22 @@ PAIR = 3  # "kV " in the pair list
 QUERY = 3  # "?kV" in the query list
 
 
+def parse_options(cls, options: str) -> dict:
+    """'a=1,b=x' -> {'a': 1, 'b': 'x'} for the fields of dataclass `cls` (int fields as integers);
+    ValueError names an unknown option or a value that is not an integer."""
+    kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+    kwargs: dict = {}
+    for item in filter(None, options.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in kinds:
+            raise ValueError(f"unknown option {item!r} (options: {', '.join(sorted(kinds))})")
+        try:
+            kwargs[name] = int(value) if kinds[name] == "int" else value
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    return kwargs
+
+
 @dataclasses.dataclass(frozen=True)
 class RecallTask:
     pairs: int = 8
@@ -54,17 +70,7 @@ class RecallTask:
     @classmethod
     def parse(cls, options: str) -> RecallTask:
         """'pairs=8,distance=64' -> RecallTask(pairs=8, distance=64); ValueError names the problem."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for item in filter(None, options.split(",")):
-            name, sep, value = item.partition("=")
-            if not sep or name not in fields:
-                raise ValueError(f"unknown option {item!r} (options: {', '.join(sorted(fields))})")
-            try:
-                kwargs[name] = int(value)
-            except ValueError:
-                raise ValueError(f"{name} must be an integer, got {value!r}") from None
-        return cls(**kwargs)
+        return cls(**parse_options(cls, options))
 
     @property
     def filler(self) -> int:
@@ -96,3 +102,67 @@ class RecallTask:
         start = PAIR * self.pairs + self.filler
         where = {doc[PAIR * i]: PAIR * i + 1 for i in range(self.pairs)}
         return [(start + QUERY * j + 1, where[doc[start + QUERY * j + 1]]) for j in range(self.pairs)]
+
+
+# builtin:seq2seq: what the target is, given the input
+SEQ2SEQ_TASKS = {"reverse": lambda s: s[::-1], "sort": lambda s: "".join(sorted(s)), "copy": lambda s: s}
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2seqTask:
+    """`builtin:seq2seq[:task=reverse|sort|copy,...]`: input/target pairs whose answer is known. An
+    input is min_len..max_len letters drawn from the first `alphabet` lowercase letters (lengths vary,
+    so batches carry padding); the target is the input reversed, sorted or copied. Validation inputs
+    never occur among the training inputs, so a model must compute the answer, not recall it."""
+
+    task: str = "reverse"
+    min_len: int = 2
+    max_len: int = 10
+    alphabet: int = 8
+    train_docs: int = 20000
+    val_docs: int = 500
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.task not in SEQ2SEQ_TASKS:
+            raise ValueError(f"task must be one of {', '.join(SEQ2SEQ_TASKS)}, got {self.task!r}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
+        if not 2 <= self.alphabet <= len(KEYS):
+            raise ValueError(f"alphabet must be between 2 and {len(KEYS)}, got {self.alphabet}")
+        if self.train_docs < 1 or self.val_docs < 1:
+            raise ValueError("train_docs and val_docs must be >= 1")
+        distinct = sum(self.alphabet**n for n in range(self.min_len, self.max_len + 1))
+        if distinct < 2 * (self.train_docs + self.val_docs):  # else validation inputs would be hard to find
+            raise ValueError(
+                f"{distinct} distinct inputs are too few for train_docs + val_docs: raise max_len or alphabet"
+            )
+
+    @classmethod
+    def parse(cls, options: str) -> Seq2seqTask:
+        return cls(**parse_options(cls, options))
+
+    def answer(self, text: str) -> str:
+        return SEQ2SEQ_TASKS[self.task](text)
+
+    def draw(self, rng: np.random.Generator) -> str:
+        n = int(rng.integers(self.min_len, self.max_len + 1))
+        return "".join(KEYS[i] for i in rng.integers(0, self.alphabet, n))
+
+    def inputs(self, split: str) -> list[str]:
+        """The split's inputs, a pure function of the task's fields: validation draws from its own
+        stream and passes over any input the training split holds."""
+        train_rng = np.random.default_rng([self.seed, 0])
+        train = [self.draw(train_rng) for _ in range(self.train_docs)]
+        if split == "train":
+            return train
+        seen, val, rng = set(train), list[str](), np.random.default_rng([self.seed, 1])
+        while len(val) < self.val_docs:
+            text = self.draw(rng)
+            if text not in seen:
+                val.append(text)
+        return val
+
+    def pairs(self, split: str) -> tuple[list[str], list[str]]:
+        inputs = self.inputs(split)
+        return inputs, [self.answer(t) for t in inputs]
