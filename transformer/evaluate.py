@@ -99,7 +99,7 @@ def split_windows(data: Data, split: str, limit: int | None = None) -> Data:
         ids = np.unique(np.linspace(0, data.train.count - 1, len(data.val_window_ids)).round().astype(np.int64))
         meta = json.loads((data.cache_path / "meta.json").read_text())["train"]
         data = dataclasses.replace(
-            data, val=data.train, val_window_ids=ids, val_bytes_per_token=meta["bytes"] / max(1, meta["tokens"])
+            data, val=data.train, val_window_ids=ids, val_bytes_per_token=data.objective.bytes_per_token(meta)
         )
     return data if limit is None else dataclasses.replace(data, val_window_ids=data.val_window_ids[:limit])
 
@@ -139,7 +139,8 @@ def evaluate_params(
         "perplexity": result["val_perplexity"],
         "accuracy": result["val_accuracy"],
         "bits_per_byte": result.get("val_bits_per_byte"),
-        "tokens": sum(len(d.val_window_ids) for d in _sources(data)) * cfg.data.seq_len,
+        # the rows' tokens (a row of each stream: the decoder's, and an encoder's)
+        "tokens": sum(len(d.val_window_ids) * sum(n or 0 for n in d.objective.lengths) for d in _sources(data)),
     }
     if data.parts:
         out["sources"] = per_source(cfg, data, result)

@@ -126,7 +126,13 @@ def topology_target(name: str) -> Target:
 
 def vocab_size(cfg: Config) -> int:
     """The run's vocabulary without preparing its data: the byte tokenizer's, a BPE's target size,
-    a pretrained tokenizer's own."""
+    a pretrained tokenizer's own; plus the ids the objective adds (a mask token, sentinels)."""
+    from transformer.objectives import extra_ids
+
+    return _tokenizer_vocab(cfg) + extra_ids(cfg.data)
+
+
+def _tokenizer_vocab(cfg: Config) -> int:
     from transformer.tokenizer import ByteTokenizer, TokenizerError, load_pretrained
 
     if cfg.data.tokenizer == "byte":
@@ -144,8 +150,9 @@ def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, local: dict[str, np.nda
     data gives), else as the data config makes them."""
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
     if local is None:
-        keys = ("inputs", "targets") + (("segment_ids", "positions") if cfg.data.document_mask else ())
-        local = {k: np.zeros((1, cfg.data.seq_len), np.int32) for k in keys}
+        from transformer.data import example_batch
+
+        local = example_batch(cfg.data)
     B = cfg.train.batch_size
     return {k: jax.ShapeDtypeStruct((B, *v.shape[1:]), v.dtype, sharding=batch_sharding) for k, v in local.items()}
 
