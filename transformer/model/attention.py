@@ -99,7 +99,7 @@ class Keys(NamedTuple):
     v_BxSxKxH: jax.Array
     positions_BxS: jax.Array
     mask_BxTxS: jax.Array | None  # None: the library masks by itself (static)
-    static: bool  # causal by token index with a window known at trace time: the library's own masking
+    static: bool  # by token index (causal when the layer is), a window known at trace time: the library's own masking
 
 
 class Attention(nnx.Module):
