@@ -22,6 +22,7 @@ from transformer.model.summary import (
     kv_cache_bytes_per_token,
     mean_attended_keys,
     params_by_component,
+    summary_text,
 )
 
 S, T = 8, 6  # encoder and decoder lengths
@@ -348,3 +349,6 @@ def test_cache_bytes_per_token_are_what_the_cache_holds():
     assert self_bytes == 3 * 10 * kv_cache_bytes_per_token(cfg)
     assert cross_bytes == 3 * S * cross_cache_bytes_per_source_token(cfg)
     assert kv_cache_bytes_per_token(encoder()) == cross_cache_bytes_per_source_token(encoder()) == 0
+    text = summary_text(cfg, 16)
+    assert f"cross-attention cache per input token: {cross_cache_bytes_per_source_token(cfg):,} bytes" in text
+    assert "KV cache: none" in summary_text(encoder(), 16)

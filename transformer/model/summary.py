@@ -85,7 +85,7 @@ def _component(path: tuple) -> str:
     if "norm" in names[-2] or "norm" in names[0]:
         return "norms"
     if names[0] in ("blocks", "encoder_blocks"):
-        return {"attn": "attention", "ffn": "ffn", "cross_attn": "cross-attention"}[names[1]]
+        return {"attn": "attention", "ffn": "ffn", "cross_attn": "cross-attn"}[names[1]]
     if names[0] == "moe_blocks":
         moe = {"router": "router", "w_in": "experts", "w_out": "experts", "shared": "shared ffn"}
         return "attention" if names[1] == "attn" else moe[names[2]]
@@ -241,10 +241,18 @@ def summary_text(cfg: ModelConfig, seq_len: int) -> str:
             f"of d_ff {cfg.moe_d_ff} (+{cfg.n_shared_experts} shared), top-{cfg.top_k} {cfg.router} router, "
             f"{dispatch}; FLOPs and MFU count active parameters"
         )
-    lines.append(f"FLOPs per token (forward+backward, seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
+    per = (
+        "target token (forward+backward, input and target"
+        if cfg.arch == "encoder_decoder"
+        else "token (forward+backward,"
+    )
+    lines.append(f"FLOPs per {per} seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
     kv = kv_cache_bytes_per_token(cfg)
     form = "L*(kv_lora_rank+qk_rope_head_dim)*bytes" if cfg.attention == "mla" else "2*L*K*H*bytes"
-    lines.append(f"KV cache per token: {kv:,} bytes ({cfg.dtype}; {form})")
+    if cfg.arch == "encoder":
+        lines.append("KV cache: none (an encoder does not decode)")
+    else:
+        lines.append(f"KV cache per token: {kv:,} bytes ({cfg.dtype}; {form})")
     if cfg.arch == "encoder_decoder":
         cross = cross_cache_bytes_per_source_token(cfg)
         lines.append(f"cross-attention cache per input token: {cross:,} bytes (2*L*K*H*bytes, made once)")
