@@ -195,7 +195,8 @@ def test_greedy_decoding_is_teacher_forcing_on_its_own_output():
 
 def test_the_encoder_stack_scanned_equals_unrolled_with_remat():
     kw = dict(n_encoder_layers=3, window=3, attention_pattern=("local", "global"), dropout=0.1)
-    scanned, unrolled = build(encoder_decoder(**kw)), build(encoder_decoder(scan_layers=False, remat="full", **kw))
+    scanned = build(encoder_decoder(remat="dots", **kw))
+    unrolled = build(encoder_decoder(scan_layers=False, remat="full", **kw))
     source = jax.random.randint(jax.random.key(0), (2, S), 0, 61)
     target = jax.random.randint(jax.random.key(1), (2, T), 0, 61)
     key = jax.random.key(3)  # dropout on: the per-layer keys must line up too
@@ -224,12 +225,16 @@ def test_einsum_equals_xla_for_bidirectional_and_cross_attention(arch):
     np.testing.assert_allclose(einsum(tokens, **extra), xla(tokens, **extra), atol=1e-5)  # the static path
 
 
-def test_the_encoder_input_goes_exactly_to_an_encoder_decoder():
+def test_the_encoder_input_goes_exactly_to_an_encoder_decoder_and_encoders_do_not_decode():
     tokens = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="encoder_tokens_BxS"):
         build(encoder_decoder())(tokens)
     with pytest.raises(ValueError, match="encoder_tokens_BxS"):
         build(encoder())(tokens, encoder_tokens_BxS=tokens)
+    with pytest.raises(ValueError, match="memory_BxSxD"):
+        build(encoder_decoder()).init_cache(1, 4)
+    with pytest.raises(ValueError, match="an encoder decodes nothing"):
+        build(encoder()).init_cache(1, 4)
 
 
 def test_stats_name_the_encoder_stack_and_cross_attention():

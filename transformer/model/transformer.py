@@ -497,6 +497,8 @@ class Transformer(nnx.Module):
         `window` entries for sliding-window layers. An encoder-decoder's layers also keep the keys
         and values of its encoder output `memory_BxSxD` (`encode`), made once here: `cross_k`,
         `cross_v` [B, S, K, H] and `cross_segments` [B, S] (0: padding, never attended; default 1)."""
+        if not self.cfg.causal:
+            raise ValueError("an encoder decodes nothing: its predictions at masked positions come from fill_mask")
         stack = self.blocks if self.blocks is not None else self.moe_blocks  # every layer has the same attention
         assert stack is not None
         caches = [stack.attn.empty_cache(batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
