@@ -5,7 +5,10 @@ No position scheme enters cross-attention, as in T5 and BART: queries and keys b
 different sequences, so there is no rotation and no logit bias here; order reaches the decoder
 through its self-attention and the encoder through its own. The keys and values of the memory are
 computed once per sequence; decoding keeps them in each layer's cache (`cross_k`, `cross_v`, and
-the encoder's segment ids as `cross_segments`) beside the self-attention entries.
+the encoder's segment ids as `cross_segments`) beside the self-attention entries. With
+`model.attention=mla` only self-attention is latent: the memory's keys and values are made once
+per input, so compressing them per token would save no decoding work, and cross-attention stays
+MHA/GQA.
 
 Axis legend as in layers.py; S here counts encoder positions.
 """
