@@ -262,4 +262,4 @@ def test_alibi_bias_is_slope_times_distance():
     bias = np.asarray(alibi_bias(4, pos, pos))[0]
     slopes = np.asarray(alibi_slopes(4))
     t, s = np.indices((6, 6))
-    np.testing.assert_allclose(bias, -slopes[:, None, None] * (t - s)[None], rtol=1e-6)
+    np.testing.assert_allclose(bias, -slopes[:, None, None] * np.abs(t - s)[None], rtol=1e-6)  # symmetric: encoders

@@ -402,25 +402,42 @@ class ModelConfig:
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Sliding window of each layer (None = full causal attention)."""
+        """Sliding window of each layer of the main stack (None = full attention)."""
+        return self.stack_windows(self.n_layers)
+
+    @property
+    def encoder_layer_windows(self) -> tuple[int | None, ...]:
+        """Sliding window of each layer of an encoder-decoder's encoder stack (the same pattern)."""
+        return self.stack_windows(self.n_encoder_layers) if self.arch == "encoder_decoder" else ()
+
+    def stack_windows(self, n_layers: int) -> tuple[int | None, ...]:
+        """The window of each of `n_layers` layers: `window`, or the attention pattern cycled."""
         if self.attention_pattern is None:
-            return (self.window,) * self.n_layers
-        kinds = [self.attention_pattern[i % len(self.attention_pattern)] for i in range(self.n_layers)]
+            return (self.window,) * n_layers
+        kinds = [self.attention_pattern[i % len(self.attention_pattern)] for i in range(n_layers)]
         return tuple(self.window if kind == "local" else None for kind in kinds)
+
+    def deepnorm(self, encoder_stack: bool = False) -> tuple[float, float]:
+        """DeepNet's (alpha, beta) (Wang et al. 2022, table 1): the residual scale and the init gain of
+        the FFN, value and output projections. A decoder- or encoder-only model of L layers:
+        (2L)^(1/4), (8L)^(-1/4). An encoder-decoder of N encoder and M decoder layers: its decoder
+        (3M)^(1/4), (12M)^(-1/4); its encoder (`encoder_stack`) 0.81 (N^4 M)^(1/16), 0.87 (N^4 M)^(-1/16)."""
+        if self.arch != "encoder_decoder":
+            return (2 * self.n_layers) ** 0.25, (8 * self.n_layers) ** -0.25
+        N, M = self.n_encoder_layers, self.n_layers
+        if encoder_stack:
+            return 0.81 * (N**4 * M) ** (1 / 16), 0.87 * (N**4 * M) ** (-1 / 16)
+        return (3 * M) ** 0.25, (12 * M) ** -0.25
 
     @property
     def deepnorm_alpha(self) -> float:
-        """DeepNet (Wang et al. 2022), decoder-only: residual scale alpha = (2L)^(1/4)."""
-        return (2 * self.n_layers) ** 0.25
+        """DeepNet's residual scale of the main stack (see `deepnorm`)."""
+        return self.deepnorm()[0]
 
     @property
     def deepnorm_beta(self) -> float:
-        """DeepNet, decoder-only: init gain beta = (8L)^(-1/4) for FFN, value and output projections."""
-        return (8 * self.n_layers) ** -0.25
-
-    @property
-    def residual_alpha(self) -> float:
-        return self.deepnorm_alpha if self.norm_position == "deepnorm" else 1.0
+        """DeepNet's init gain of the main stack (see `deepnorm`)."""
+        return self.deepnorm()[1]
 
     @property
     def max_positions(self) -> int | None:

@@ -1,5 +1,7 @@
 """Text generation with a KV cache: prefill the prompts in one pass, then decode one token per step
-inside one compiled loop.
+inside one compiled loop. An encoder-decoder encodes its inputs once, keeps the keys and values of
+the encoder output in the cache, and decodes from BOS in the same loop (`generate_seq2seq`); an
+encoder gives its top predictions at masked positions instead (`fill_mask`).
 
 Prompts of different lengths are left-padded to a common length; each row's positions start at 0
 on its first real token, and padding never enters attention (its cache slots carry position -1).
@@ -40,6 +42,17 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
     return tokens, positions
 
 
+def right_pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, S], segment ids [B, S]: 1 on real tokens, 0 on padding) with each row left-aligned."""
+    S = max(len(r) for r in rows)
+    tokens = np.full((len(rows), S), pad_id, np.int32)
+    segments = np.zeros((len(rows), S), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = row
+        segments[i, : len(row)] = 1
+    return tokens, segments
+
+
 def sample_logits(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Next tokens from float32 logits: greedy at temperature 0, else top-k / top-p sampling."""
     if cfg.temperature == 0.0:
@@ -63,6 +76,33 @@ def generate(
     model: Transformer, prompts: list[list[int]], eos_id: int, pad_id: int, cfg: SamplingConfig
 ) -> list[list[int]]:
     """New tokens for each prompt (without the prompt), stopping at EOS (not included)."""
+    return _until_eos(model, prompts, eos_id, pad_id, cfg, None)
+
+
+def generate_seq2seq(
+    model: Transformer, inputs: list[list[int]], bos_id: int, eos_id: int, pad_id: int, cfg: SamplingConfig
+) -> list[list[int]]:
+    """An encoder-decoder's output for each input (token rows of any lengths, right-padded with
+    segment id 0 so that padding is never attended): encoded once, then decoded from BOS until EOS
+    (not included) or `max_new_tokens`."""
+    longest = max(len(row) for row in inputs)
+    if not model.cfg.fits_positions(longest):
+        raise ValueError(f"an input of {longest} tokens exceeds the model's context of {model.cfg.max_seq_len} tokens")
+    tokens_BxS, segments_BxS = right_pad(inputs, pad_id)
+    encoder_inputs = (jnp.asarray(tokens_BxS), jnp.asarray(segments_BxS))
+    return _until_eos(model, [[bos_id]] * len(inputs), eos_id, pad_id, cfg, encoder_inputs)
+
+
+def _until_eos(
+    model: Transformer,
+    prompts: list[list[int]],
+    eos_id: int,
+    pad_id: int,
+    cfg: SamplingConfig,
+    encoder_inputs: tuple[jax.Array, jax.Array] | None,
+) -> list[list[int]]:
+    """The compiled loop on left-padded prompts (an encoder-decoder's: its encoder tokens and segment
+    ids beside), each row cut at its first EOS."""
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens
     if not model.cfg.fits_positions(max_len):
         raise ValueError(
@@ -70,7 +110,7 @@ def generate(
         )
     tokens, positions = left_pad(prompts, pad_id)
     graphdef, params = nnx.split(model)
-    out = _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions), eos_id, max_len, cfg)
+    out = _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions), eos_id, max_len, cfg, encoder_inputs)
     result = []
     for row in np.asarray(out):
         row = row.tolist()
@@ -79,10 +119,15 @@ def generate(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "eos_id", "max_len", "cfg"))
-def _generate(graphdef, params, tokens_BxP, positions_BxP, eos_id, max_len, cfg):
+def _generate(graphdef, params, tokens_BxP, positions_BxP, eos_id, max_len, cfg, encoder_inputs=None):
     model = nnx.merge(graphdef, params)
     B, P = tokens_BxP.shape
-    cache = model.init_cache(B, max_len)
+    if encoder_inputs is None:
+        cache = model.init_cache(B, max_len)
+    else:  # encoded once: each layer's cross-attention keys and values go into its cache
+        encoder_tokens_BxS, encoder_segments_BxS = encoder_inputs
+        memory_BxSxD = model.encode(encoder_tokens_BxS, None, encoder_segments_BxS)
+        cache = model.init_cache(B, max_len, memory_BxSxD, encoder_segments_BxS)
     logits_BxPxV, cache = model.decode(tokens_BxP, positions_BxP, cache, 0)
     key = jax.random.key(cfg.seed)
     first = sample_logits(logits_BxPxV[:, -1], jax.random.fold_in(key, 0), cfg)
@@ -99,3 +144,20 @@ def _generate(graphdef, params, tokens_BxP, positions_BxP, eos_id, max_len, cfg)
     init = (first, next_pos, cache, jnp.zeros((B,), bool))
     _, generated = jax.lax.scan(step, init, jnp.arange(cfg.max_new_tokens))
     return generated.T  # [B, max_new_tokens]
+
+
+def fill_mask(
+    model: Transformer, rows: list[list[int]], mask_id: int, pad_id: int, top_k: int = 5
+) -> list[list[list[int]]]:
+    """An encoder's `top_k` predictions (best first) at each `mask_id` of each row, in order; rows
+    of different lengths are right-padded with segment id 0, so padding is never attended."""
+    tokens, segments = right_pad(rows, pad_id)
+    graphdef, params = nnx.split(model)
+    best = np.asarray(_top_predictions(graphdef, params, jnp.asarray(tokens), jnp.asarray(segments), top_k))
+    return [[best[i, t].tolist() for t in np.flatnonzero(tokens[i] == mask_id)] for i in range(len(rows))]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k"))
+def _top_predictions(graphdef, params, tokens_BxS, segments_BxS, top_k):
+    logits_BxSxV = nnx.merge(graphdef, params)(tokens_BxS, None, segments_BxS)
+    return jax.lax.top_k(logits_BxSxV, top_k)[1]  # [B, S, top_k]

@@ -1,4 +1,5 @@
-"""Causal self-attention: MHA, GQA and MQA through `n_kv_heads`, sliding windows, document masks.
+"""Self-attention, causal (decoders) or bidirectional (encoders): MHA, GQA and MQA through
+`n_kv_heads`, sliding windows (symmetric when bidirectional), document masks.
 
 The fused QKV weight is laid out D x K x C x H with C = G + 2: for each kv head, its G query heads,
 then its key, then its value. Query head n = k*G + g therefore belongs to kv head k, which is the
@@ -33,11 +34,14 @@ def attention_mask(
     window: Window,
     q_segments_BxT: jax.Array | None = None,
     k_segments_BxS: jax.Array | None = None,
+    causal: bool = True,
 ) -> jax.Array:
-    """mask[b, t, s]: query t may attend key s (causal, inside the window, same document)."""
-    allowed_TxS = k_index_S[None, :] <= q_index_T[:, None]
+    """mask[b, t, s]: query t may attend key s (not after it when causal, inside the window, same
+    document). Bidirectional windows are symmetric: |t - s| < window."""
+    distance_TxS = q_index_T[:, None] - k_index_S[None, :]
+    allowed_TxS = distance_TxS >= 0 if causal else jnp.ones(distance_TxS.shape, bool)
     if window is not None:
-        allowed_TxS &= q_index_T[:, None] - k_index_S[None, :] < window
+        allowed_TxS &= jnp.abs(distance_TxS) < window
     allowed_BxTxS = allowed_TxS[None]
     if q_segments_BxT is not None and k_segments_BxS is not None:
         allowed_BxTxS = allowed_BxTxS & (q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :])
@@ -95,16 +99,21 @@ class Keys(NamedTuple):
     v_BxSxKxH: jax.Array
     positions_BxS: jax.Array
     mask_BxTxS: jax.Array | None  # None: the library masks by itself (static)
-    static: bool  # causal by token index with a window known at trace time: the library's own masking
+    static: bool  # by token index (causal when the layer is), a window known at trace time: the library's own masking
 
 
 class Attention(nnx.Module):
-    """Causal self-attention over the K kv heads' G query heads each, with the configured positions."""
+    """Self-attention over the K kv heads' G query heads each, with the configured positions:
+    causal, or bidirectional (`causal=False`, an encoder's); `encoder_stack` picks the init scales
+    of an encoder-decoder's encoder."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    STATS_PREFIX = ""  # what the names of the sown statistics start with
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, causal: bool = True, encoder_stack: bool = False):
         self.cfg = cfg
+        self.causal = causal
         self.positions = positions_for(cfg)
-        scales = InitScales.of(cfg)
+        scales = InitScales.of(cfg, encoder_stack)
         D, N, K, G, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_groups, cfg.head_dim
         qkv = normal_param(rngs, (D, K, G + 2, H), ("embed", "kv_heads", None, "head_dim"), scales.qkv, cfg)
         # One draw for the fused weight, then the value slice rescaled: the random stream is the
@@ -142,11 +151,14 @@ class Attention(nnx.Module):
         if collect:
             self.sow_stats(q_BxTxKxGxH, keys, bias_BxNxTxS, segment_ids_BxT, window)
         out_BxTxNxH = self.attend(q_BxTxKxGxH, keys, bias_BxNxTxS, window, key)
-        dtype = x_BxTxD.dtype
+        return self.output(out_BxTxNxH, x_BxTxD.dtype), new_cache
+
+    def output(self, out_BxTxNxH: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """The heads' outputs projected back to the model width [B, T, D]."""
         y_BxTxD = jnp.einsum("BTNH,NHD->BTD", out_BxTxNxH, self.out[...].astype(dtype))
         if self.out_bias is not None:
             y_BxTxD = y_BxTxD + self.out_bias[...].astype(dtype)
-        return y_BxTxD, new_cache
+        return y_BxTxD
 
     def empty_cache(self, batch: int, size: int) -> KVCache:
         """An empty cache of `size` entries for this layer (what it holds is the variant's choice)."""
@@ -156,10 +168,8 @@ class Attention(nnx.Module):
         """(q [B, T, K, G, H], the entries a cache keeps of each token: k and v [B, T, K, H]): the
         fused projection, qk-norm, and the rotation the position scheme applies to queries and keys.
         (MLA keeps its latent and shared rope key instead; its `kv_of` expands them.)"""
-        G, dtype = self.cfg.n_kv_groups, x_BxTxD.dtype
-        qkv_BxTxKxCxH = jnp.einsum("BTD,DKCH->BTKCH", x_BxTxD, self.qkv[...].astype(dtype))
-        if self.qkv_bias is not None:
-            qkv_BxTxKxCxH = qkv_BxTxKxCxH + self.qkv_bias[...].astype(dtype)
+        G = self.cfg.n_kv_groups
+        qkv_BxTxKxCxH = self.fused(x_BxTxD, slice(None))
         q_BxTxKxGxH = qkv_BxTxKxCxH[:, :, :, :G]
         k_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G]
         v_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G + 1]
@@ -170,6 +180,14 @@ class Attention(nnx.Module):
         q_BxTxKxGxH = self.positions.rotate(q_BxTxKxGxH, positions_BxT)
         k_BxTxKxH = self.positions.rotate(k_BxTxKxH, positions_BxT)
         return q_BxTxKxGxH, {"k": k_BxTxKxH, "v": v_BxTxKxH}
+
+    def fused(self, x_BxTxD: jax.Array, parts: slice) -> jax.Array:
+        """x through `parts` of the fused weight's C axis (with their bias): [B, T, K, C', H]."""
+        dtype = x_BxTxD.dtype
+        y_BxTxKxCxH = jnp.einsum("BTD,DKCH->BTKCH", x_BxTxD, self.qkv[...][:, :, parts].astype(dtype))
+        if self.qkv_bias is not None:
+            y_BxTxKxCxH = y_BxTxKxCxH + self.qkv_bias[...][:, parts].astype(dtype)
+        return y_BxTxKxCxH
 
     def kv_of(self, entries: KVCache) -> tuple[jax.Array, jax.Array]:
         """(k, v) from what the cache holds per token: here the keys and values themselves."""
@@ -194,7 +212,7 @@ class Attention(nnx.Module):
             mask_BxTxS = None
             if not static or self.cfg.attention_impl == "einsum":
                 index_T = jnp.arange(k_BxTxKxH.shape[1])
-                mask_BxTxS = attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT)
+                mask_BxTxS = attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT, self.causal)
             return Keys(k_BxTxKxH, v_BxTxKxH, positions_BxT, mask_BxTxS, static), None
         every_BxS, k_positions_BxS = cached_and_new(cache, entries, positions_BxT)
         k_BxSxKxH, v_BxSxKxH = self.kv_of(every_BxS)
@@ -228,10 +246,14 @@ class Attention(nnx.Module):
             bias=None if bias_BxNxTxS is None else bias_BxNxTxS.astype(q_BxTxKxGxH.dtype),
             mask=None if keys.mask_BxTxS is None else keys.mask_BxTxS[:, None],
             scale=cfg.scale,
-            is_causal=keys.static,
-            local_window_size=None if static_window is None else (static_window - 1, 0),
+            is_causal=keys.static and self.causal,
+            local_window_size=None if static_window is None else self.window_extent(static_window),
             implementation=cfg.attention_impl,  # type: ignore[arg-type]  # never auto: see accelerator.resolve
         )
+
+    def window_extent(self, window: int) -> tuple[int, int]:
+        """(keys before, keys after) a query that a window reaches: symmetric when bidirectional."""
+        return (window - 1, 0) if self.causal else (window - 1, window - 1)
 
     def sow_stats(
         self,
@@ -248,9 +270,10 @@ class Attention(nnx.Module):
         logits_BxKxGxTxS = attention_logits(q_BxTxKxGxH, keys.k_BxSxKxH, group_heads(bias_BxNxTxS, K, G), self.cfg)
         mask_BxTxS = keys.mask_BxTxS
         if mask_BxTxS is None:
-            mask_BxTxS = attention_mask(jnp.arange(T), jnp.arange(S), window, segment_ids_BxT, segment_ids_BxT)
+            index_T, index_S = jnp.arange(T), jnp.arange(S)
+            mask_BxTxS = attention_mask(index_T, index_S, window, segment_ids_BxT, segment_ids_BxT, self.causal)
         for name, value in attention_stats(logits_BxKxGxTxS, mask_BxTxS).items():
-            self.sow(nnx.Intermediate, name, value)
+            self.sow(nnx.Intermediate, self.STATS_PREFIX + name, value)
 
 
 def group_heads(bias_BxNxTxS: jax.Array | None, K: int, G: int) -> jax.Array | None:
@@ -299,7 +322,8 @@ def write_cache(cache: KVCache, new: dict[str, jax.Array], positions_BxT: jax.Ar
         T = size
     slots_T = (index + jnp.arange(T)) % size
     updated = {name: cache[name].at[:, slots_T].set(value.astype(cache[name].dtype)) for name, value in new.items()}
-    return {**updated, "pos": cache["pos"].at[:, slots_T].set(positions_BxT)}
+    # what else the layer keeps (an encoder-decoder's cross-attention keys) stays as it is
+    return {**cache, **updated, "pos": cache["pos"].at[:, slots_T].set(positions_BxT)}
 
 
 def position_mask(q_positions_BxT: jax.Array, k_positions_BxS: jax.Array, window: Window) -> jax.Array:

@@ -50,16 +50,18 @@ class InitScales:
     head: float  # an untied output head
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> InitScales:
-        """The scales of `cfg`: init_std throughout, except where the norm placement changes it."""
+    def of(cls, cfg: ModelConfig, encoder_stack: bool = False) -> InitScales:
+        """The scales of `cfg`: init_std throughout, except where the norm placement changes it,
+        which may depend on the stack (`encoder_stack`: an encoder-decoder's encoder)."""
         std = cfg.init_std
         if cfg.norm_position == "deepnorm":
             # DeepNet (Wang et al. 2022) shrinks by beta what carries values into the residual
             # stream: the value and FFN input projections and both output projections.
-            carry = residual = std * cfg.deepnorm_beta
+            carry = residual = std * cfg.deepnorm(encoder_stack)[1]
         elif cfg.init_depth_scaled:
-            # GPT-2: the L*2 writes into the residual stream add up, so each shrinks with depth.
-            carry, residual = std, std / math.sqrt(2 * cfg.n_layers)
+            # GPT-2: the L*2 writes into the residual stream add up, so each shrinks with its stack's depth.
+            depth = cfg.n_encoder_layers if encoder_stack else cfg.n_layers
+            carry, residual = std, std / math.sqrt(2 * depth)
         else:
             carry, residual = std, std
         return cls(
@@ -118,10 +120,10 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 class FFN(nnx.Module):
     """The feed-forward sublayer: a two-layer MLP, or a gated linear unit for the GATED_FFNS."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int | None = None, encoder_stack: bool = False):
         self.cfg = cfg
         D, F = cfg.d_model, cfg.d_ff if width is None else width
-        scales = InitScales.of(cfg)
+        scales = InitScales.of(cfg, encoder_stack)
         if cfg.gated_ffn:  # gate and up projection fused: C = 2
             self.w_in = normal_param(rngs, (D, 2, F), ("embed", None, "mlp"), scales.ffn_in, cfg)
             self.b_in = const_param(0.0, (2, F), (None, "mlp"), cfg) if cfg.use_bias else None

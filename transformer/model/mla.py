@@ -40,12 +40,13 @@ from transformer.model.positions import positions_for
 
 
 class MultiHeadLatentAttention(Attention):
-    """Causal self-attention over keys and values decompressed from a per-token latent (MLA)."""
+    """Self-attention over keys and values decompressed from a per-token latent (MLA)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, causal: bool = True, encoder_stack: bool = False):
         self.cfg = cfg
+        self.causal = causal
         self.positions = positions_for(cfg)
-        scales = InitScales.of(cfg)
+        scales = InitScales.of(cfg, encoder_stack)
         D, N, H, A, Y = cfg.d_model, cfg.n_heads, cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
         R, E, Q = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.q_lora_rank
         # full-rank queries (q_lora_rank null), or down to a normalised query latent and up again

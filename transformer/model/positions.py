@@ -190,6 +190,7 @@ def alibi_slopes(n_heads: int) -> jax.Array:
 
 
 def alibi_bias(n_heads: int, q_positions_BxT: jax.Array, k_positions_BxS: jax.Array) -> jax.Array:
-    """bias[b, n, t, s] = -slope[n] * (pos_q[t] - pos_k[s]); only causal entries survive the mask."""
-    distance_BxTxS = (q_positions_BxT[:, :, None] - k_positions_BxS[:, None, :]).astype(jnp.float32)
+    """bias[b, n, t, s] = -slope[n] * |pos_q[t] - pos_k[s]|: the paper's causal bias where a causal
+    mask keeps only s <= t, and its symmetric form for bidirectional attention, in one formula."""
+    distance_BxTxS = jnp.abs(q_positions_BxT[:, :, None] - k_positions_BxS[:, None, :]).astype(jnp.float32)
     return -alibi_slopes(n_heads)[None, :, None, None] * distance_BxTxS[:, None]

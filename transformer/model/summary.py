@@ -23,20 +23,22 @@ def count_params(cfg: ModelConfig) -> int:
     """Closed-form parameter count.
 
     MHA with d_ff = 4D, no biases and tied embeddings gives the textbook 12*L*D^2 + V*D, plus the
-    norm and position parameters; every other variant changes one term below.
+    norm and position parameters; every other variant changes one term below. An encoder-decoder
+    adds its encoder stack (the same blocks) with its final norm, and a cross-attention (always
+    MHA/GQA, as `mha_params`) with its norms in each decoder block.
     """
     D, L, V, F = cfg.d_model, cfg.n_layers, cfg.padded_vocab, cfg.d_ff
-    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     norm = D * (2 if cfg.norm == "layernorm" else 1)
-    attention = D * (N + 2 * K) * H + N * H * D
-    attention += ((N + 2 * K) * H if cfg.has_qkv_bias else 0) + (D if cfg.use_bias else 0)
-    attention += 2 * H if cfg.qk_norm else 0
+    attention = mha_params(cfg)
     if cfg.attention == "mla":  # (the config refuses biases and qk-norm with MLA)
         attention = mla_matmul_params(cfg) + mla_norm_params(cfg)
     ffn_in = (2 if cfg.gated_ffn else 1) * F
     ffn = D * ffn_in + F * D + ((ffn_in + D) if cfg.use_bias else 0)
     per_layer = attention + ffn + cfg.norms_per_block * norm
     total = V * D + L * per_layer
+    if cfg.arch == "encoder_decoder":
+        cross = mha_params(cfg) + (2 if cfg.norm_position == "sandwich" else 1) * norm
+        total += L * cross + cfg.n_encoder_layers * per_layer + (norm if cfg.final_norm else 0)
     # a MoE layer's FFN: the router and E routed plus the shared experts, instead of the dense FFN
     n_moe = sum(cfg.moe_layers)
     total += n_moe * (D * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * expert_params(cfg) - ffn)
@@ -45,6 +47,14 @@ def count_params(cfg: ModelConfig) -> int:
     total += norm if cfg.final_norm else 0
     total += 0 if cfg.tie_embeddings else D * V
     return total
+
+
+def mha_params(cfg: ModelConfig) -> int:
+    """One MHA/GQA/MQA attention's parameters: the fused q/k/v and output weights, biases, qk-norm."""
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    attention = D * (N + 2 * K) * H + N * H * D
+    attention += ((N + 2 * K) * H if cfg.has_qkv_bias else 0) + (D if cfg.use_bias else 0)
+    return attention + (2 * H if cfg.qk_norm else 0)
 
 
 def expert_params(cfg: ModelConfig) -> int:
@@ -74,8 +84,8 @@ def _component(path: tuple) -> str:
         return "output head"
     if "norm" in names[-2] or "norm" in names[0]:
         return "norms"
-    if names[0] == "blocks":
-        return {"attn": "attention", "ffn": "ffn"}[names[1]]
+    if names[0] in ("blocks", "encoder_blocks"):
+        return {"attn": "attention", "ffn": "ffn", "cross_attn": "cross-attn"}[names[1]]
     if names[0] == "moe_blocks":
         moe = {"router": "router", "w_in": "experts", "w_out": "experts", "shared": "shared ffn"}
         return "attention" if names[1] == "attn" else moe[names[2]]
@@ -91,43 +101,89 @@ def params_by_component(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
-def mean_attended_keys(cfg: ModelConfig, seq_len: int) -> float:
-    """Keys a query attends to, averaged over positions and layers (causal: about T/2, once)."""
+def mean_attended_keys(
+    cfg: ModelConfig, seq_len: int, windows: tuple[int | None, ...] | None = None, causal: bool | None = None
+) -> float:
+    """Keys a query attends to, averaged over positions and the layers of `windows` (default: the
+    main stack's): causal about T/2, bidirectional T (an encoder's attention is not halved)."""
+    windows = cfg.layer_windows if windows is None else windows
+    causal = cfg.causal if causal is None else causal
     total = 0
-    for window in cfg.layer_windows:
+    for window in windows:
         w = seq_len if window is None else min(window, seq_len)
-        # position t sees min(t + 1, w) keys
-        total += w * (w + 1) // 2 + (seq_len - w) * w
-    return total / (cfg.n_layers * seq_len)
+        if causal:  # position t sees min(t + 1, w) keys
+            total += w * (w + 1) // 2 + (seq_len - w) * w
+        else:  # min(t, w - 1) before it, min(T - 1 - t, w - 1) after it, and itself
+            total += 2 * ((w - 1) * w // 2 + (seq_len - w) * (w - 1)) + seq_len
+    return total / (len(windows) * seq_len)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), matmuls only.
 
     Each weight used in a matmul costs 2 FLOPs per token forward (the input embedding is a lookup
     and costs none; the output head does, tied or not). Attention scores and the weighted sum cost
-    2 * 2 * N * H per attended key, counting only the causal (unmasked) half (MLA: 2 * N * (A + E + Y)).
-    MLA is counted as trained, keys and values projected up from the latent for every token.
+    2 * 2 * N * H per attended key, counting only the unmasked keys: about half of them causally,
+    all of them in an encoder (MLA: 2 * N * (A + E + Y) per key). MLA is counted as trained, keys
+    and values projected up from the latent for every token. An encoder-decoder's figure is per
+    target token (`target_len`, default seq_len) of a pair whose input has seq_len tokens: the
+    encoder's and the cross-attention's work are spread over the target tokens.
     """
     D, L, V, F = cfg.d_model, cfg.n_layers, cfg.padded_vocab, cfg.d_ff
-    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    attention = mla_matmul_params(cfg) if cfg.attention == "mla" else D * (N + 2 * K) * H + N * H * D
-    matmul_params = L * (attention + (3 if cfg.gated_ffn else 2) * D * F) + D * V
+    T = seq_len if target_len is None else target_len
+    matmul_params = L * self_block_matmul_params(cfg) + D * V
     # a MoE layer: the router and the experts a token is routed to (active parameters; a dropped
     # assignment's or an empty capacity slot's work is not useful work)
     moe_ffn = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * expert_params(cfg)
     matmul_params += sum(cfg.moe_layers) * (moe_ffn - (3 if cfg.gated_ffn else 2) * D * F)
-    value_width = cfg.v_head_dim if cfg.attention == "mla" else H
-    per_key = 2 * N * (cfg.qk_head_dim + value_width)  # scores, then the weighted sum of values
-    forward = 2 * matmul_params + L * per_key * mean_attended_keys(cfg, seq_len)
+    forward = 2 * matmul_params + L * per_key_flops(cfg) * mean_attended_keys(cfg, T)
+    if cfg.arch == "encoder_decoder":
+        forward += encoder_and_cross_flops(cfg, seq_len, T)
     return 3 * forward
 
 
+def self_block_matmul_params(cfg: ModelConfig) -> int:
+    """The weights one token multiplies in a dense block: self-attention and the FFN."""
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    attention = mla_matmul_params(cfg) if cfg.attention == "mla" else D * (N + 2 * K) * H + N * H * D
+    return attention + (3 if cfg.gated_ffn else 2) * D * cfg.d_ff
+
+
+def per_key_flops(cfg: ModelConfig) -> int:
+    """Forward FLOPs of one query head set on one attended key: scores, then the weighted values."""
+    value_width = cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim
+    return 2 * cfg.n_heads * (cfg.qk_head_dim + value_width)
+
+
+def encoder_and_cross_flops(cfg: ModelConfig, source_len: int, target_len: int) -> float:
+    """Forward FLOPs per target token that an encoder-decoder adds to its decoder stack: per target
+    token and decoder layer, cross-attention's queries and output (2 * 2 * D * N * H) and every one
+    of the S source keys (4 * N * H each); per source token, each decoder layer's cross keys and
+    values (2 * 2 * D * K * H) and the bidirectional encoder stack. Source work is spread over T."""
+    D, L, N, K, H = cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    S, E = source_len, cfg.n_encoder_layers
+    cross_per_target = L * (2 * 2 * D * N * H + 4 * N * H * S)
+    encoder_keys = mean_attended_keys(cfg, S, cfg.encoder_layer_windows, causal=False)
+    per_source = L * 2 * 2 * D * K * H + E * (2 * self_block_matmul_params(cfg) + per_key_flops(cfg) * encoder_keys)
+    return cross_per_target + per_source * S / target_len
+
+
 def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
-    """2 (K and V) * L * K * H * bytes per element, in the compute dtype; MLA: L * (R + E) * bytes,
-    its latent and shared rope key."""
+    """Self-attention cache per decoded token: 2 (K and V) * L * K * H * bytes per element, in the
+    compute dtype; MLA: L * (R + E) * bytes, its latent and shared rope key. An encoder decodes
+    nothing: 0 (an encoder-decoder adds `cross_cache_bytes_per_source_token`)."""
+    if cfg.arch == "encoder":
+        return 0
     if cfg.attention == "mla":
         return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(cfg.dtype).itemsize
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def cross_cache_bytes_per_source_token(cfg: ModelConfig) -> int:
+    """An encoder-decoder's cross-attention keys and values, kept once per input token while
+    decoding: 2 * L * K * H * bytes (0 for the other families)."""
+    if cfg.arch != "encoder_decoder":
+        return 0
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
 
 
@@ -164,8 +220,11 @@ def summary_text(cfg: ModelConfig, seq_len: int) -> str:
         attention += f", sliding window {cfg.window}"
         if cfg.attention_pattern:
             attention += f" in pattern {','.join(cfg.attention_pattern)}"
+    layers = f"{cfg.n_layers} layers"
+    if cfg.arch == "encoder_decoder":
+        layers = f"{cfg.n_encoder_layers} encoder + {cfg.n_layers} decoder layers (cross-attention)"
     lines = [
-        f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads / {cfg.n_kv_heads} kv heads "
+        f"model: {cfg.arch}, {layers}, d_model {cfg.d_model}, {cfg.n_heads} heads / {cfg.n_kv_heads} kv heads "
         f"of {cfg.head_dim} ({attention}), ffn {cfg.ffn} d_ff {cfg.d_ff}, positions {cfg.position}, "
         f"{cfg.norm} {cfg.norm_position}, vocab {cfg.vocab_size} (padded {cfg.padded_vocab})",
         "parameters by component:",
@@ -182,8 +241,19 @@ def summary_text(cfg: ModelConfig, seq_len: int) -> str:
             f"of d_ff {cfg.moe_d_ff} (+{cfg.n_shared_experts} shared), top-{cfg.top_k} {cfg.router} router, "
             f"{dispatch}; FLOPs and MFU count active parameters"
         )
-    lines.append(f"FLOPs per token (forward+backward, seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
+    per = (
+        "target token (forward+backward, input and target"
+        if cfg.arch == "encoder_decoder"
+        else "token (forward+backward,"
+    )
+    lines.append(f"FLOPs per {per} seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
     kv = kv_cache_bytes_per_token(cfg)
     form = "L*(kv_lora_rank+qk_rope_head_dim)*bytes" if cfg.attention == "mla" else "2*L*K*H*bytes"
-    lines.append(f"KV cache per token: {kv:,} bytes ({cfg.dtype}; {form})")
+    if cfg.arch == "encoder":
+        lines.append("KV cache: none (an encoder does not decode)")
+    else:
+        lines.append(f"KV cache per token: {kv:,} bytes ({cfg.dtype}; {form})")
+    if cfg.arch == "encoder_decoder":
+        cross = cross_cache_bytes_per_source_token(cfg)
+        lines.append(f"cross-attention cache per input token: {cross:,} bytes (2*L*K*H*bytes, made once)")
     return "\n".join(lines)

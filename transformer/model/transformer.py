@@ -1,4 +1,5 @@
-"""The decoder-only Transformer: embedding, a stack of blocks (scanned by default), output head."""
+"""The Transformer of each family: embedding, a stack of blocks (scanned by default), output head;
+an encoder-decoder adds the encoder stack whose output the decoder blocks cross-attend to."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from flax import nnx
 
 from transformer.config import GLOBAL_WINDOW, ModelConfig
 from transformer.model.attention import MASK_VALUE, Attention, KVCache, Window, cache_size
+from transformer.model.cross_attention import CrossAttention, Memory
 from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param
 from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.moe import STEP_METRICS, MoE
@@ -28,19 +30,30 @@ REMAT_POLICIES = {
 
 
 class Block(nnx.Module):
-    """One attention sublayer and one FFN sublayer (a mixture of experts with `moe`), each wrapped by
-    the configured norm placement."""
+    """One attention sublayer, a cross-attention sublayer in an encoder-decoder's decoder, and one
+    FFN sublayer (a mixture of experts with `moe`), each wrapped by the configured norm placement.
+    `encoder_stack`: a block of an encoder-decoder's encoder stack (not the main `blocks`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, encoder_stack: bool = False):
         self.cfg = cfg
+        self.encoder_stack = encoder_stack
+        # the one place the family decides how a block attends: encoders (an encoder-only model's
+        # blocks, an encoder-decoder's encoder stack) bidirectionally; an encoder-decoder's decoder
+        # blocks also to the encoder output
+        causal = cfg.causal and not encoder_stack
+        cross = cfg.arch == "encoder_decoder" and not encoder_stack
         # the one place model.attention is read
-        self.attn = (MultiHeadLatentAttention if cfg.attention == "mla" else Attention)(cfg, rngs=rngs)
-        self.ffn = MoE(cfg, rngs=rngs) if moe else FFN(cfg, rngs=rngs)
+        attention = MultiHeadLatentAttention if cfg.attention == "mla" else Attention
+        self.attn = attention(cfg, rngs=rngs, causal=causal, encoder_stack=encoder_stack)
+        self.ffn = MoE(cfg, rngs=rngs) if moe else FFN(cfg, rngs=rngs, encoder_stack=encoder_stack)
         self.attn_norm = Norm(cfg)
         self.ffn_norm = Norm(cfg)
         sandwich = cfg.norm_position == "sandwich"
         self.attn_out_norm = Norm(cfg) if sandwich else None
         self.ffn_out_norm = Norm(cfg) if sandwich else None
+        self.cross_attn = CrossAttention(cfg, rngs=rngs) if cross else None
+        self.cross_attn_norm = Norm(cfg) if cross else None
+        self.cross_attn_out_norm = Norm(cfg) if cross and sandwich else None
 
     # sublayer_input and add_sublayer are the one place where norm placement is decided.
     def sublayer_input(self, x_BxTxD: jax.Array, norm: Norm) -> jax.Array:
@@ -62,7 +75,8 @@ class Block(nnx.Module):
                 assert out_norm is not None, "sandwich blocks have output norms"
                 return x_BxTxD + dropout(out_norm(y_BxTxD), rate, key)
             case "deepnorm":  # N(alpha*x + f(x)), DeepNet
-                return norm(self.cfg.residual_alpha * x_BxTxD + dropout(y_BxTxD, rate, key))
+                alpha = self.cfg.deepnorm(self.encoder_stack)[0]
+                return norm(alpha * x_BxTxD + dropout(y_BxTxD, rate, key))
         raise AssertionError(self.cfg.norm_position)
 
     def residual(
@@ -86,24 +100,63 @@ class Block(nnx.Module):
         cache: KVCache | None = None,
         index: int | jax.Array = 0,
         collect: bool = False,
+        memory: Memory | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """(the block's output, its updated KV cache; None without a cache). With `collect`,
-        statistics are sown as nnx.Intermediate (attention logits and entropy, residual RMS)."""
+        statistics are sown as nnx.Intermediate (attention logits and entropy, residual RMS).
+        `memory`: the encoder output a decoder block cross-attends to (decoding: the cache's
+        `cross_k`/`cross_v` instead)."""
         attn_key, attn_drop_key, ffn_drop_key = (None, None, None) if key is None else jax.random.split(key, 3)
         h_BxTxD = self.sublayer_input(x_BxTxD, self.attn_norm)
         y_BxTxD, new_cache = self.attn(h_BxTxD, positions_BxT, segment_ids_BxT, window, attn_key, cache, index, collect)
         x_BxTxD = self.add_sublayer(x_BxTxD, y_BxTxD, self.attn_norm, self.attn_out_norm, attn_drop_key)
+        if self.cross_attn is not None:
+            x_BxTxD = self.cross_residual(x_BxTxD, segment_ids_BxT, memory, cache, key, collect)
         x_BxTxD = self.residual(x_BxTxD, self.ffn, self.ffn_norm, self.ffn_out_norm, ffn_drop_key)
         if collect:
             self.sow(nnx.Intermediate, "residual_rms", jnp.sqrt(jnp.mean(jnp.square(x_BxTxD.astype(jnp.float32)))))
         return x_BxTxD, new_cache
 
+    def cross_residual(
+        self,
+        x_BxTxD: jax.Array,
+        segment_ids_BxT: jax.Array | None,
+        memory: Memory | None,
+        cache: KVCache | None,
+        key: jax.Array | None,
+        collect: bool,
+    ) -> jax.Array:
+        """The stream after the cross-attention sublayer, under the same norm placement, dropout and
+        qk-norm as self-attention. Decoding reads the memory's keys and values from the cache, and
+        each new token is a real target token: segment 1, as the batches mark them."""
+        assert self.cross_attn is not None and self.cross_attn_norm is not None
+        memory_segments_BxS: jax.Array | None
+        if cache is not None:
+            entries, memory_segments_BxS = {"k": cache["cross_k"], "v": cache["cross_v"]}, cache["cross_segments"]
+            segment_ids_BxT = jnp.ones(x_BxTxD.shape[:2], jnp.int32)
+        else:
+            assert memory is not None, "a decoder block of an encoder-decoder reads the encoder output"
+            entries, memory_segments_BxS = self.cross_attn.memory_entries(memory.x_BxSxD), memory.segment_ids_BxS
+        attn_key, drop_key = (None, None) if key is None else jax.random.split(jax.random.fold_in(key, 1))
+        cross_attn = self.cross_attn
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int, moe: bool = False) -> Block:
+        def sublayer(h_BxTxD: jax.Array) -> jax.Array:
+            return cross_attn(h_BxTxD, entries, segment_ids_BxT, memory_segments_BxS, attn_key, collect)
+
+        return self.residual(x_BxTxD, sublayer, self.cross_attn_norm, self.cross_attn_out_norm, drop_key)
+
+
+def _stacked_blocks(
+    cfg: ModelConfig, rngs: nnx.Rngs, count: int, moe: bool = False, encoder_stack: bool = False
+) -> Block:
     """`count` blocks whose parameters are stacked on a leading `layers` axis, ready for `lax.scan`."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), moe=moe)))
+
+    def block(k: jax.Array) -> Block:
+        return Block(cfg, rngs=nnx.Rngs(k), moe=moe, encoder_stack=encoder_stack)
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: block(jax.random.key(0))))
     keys_L = jax.random.split(rngs.params(), count)
-    state = jax.vmap(lambda k: nnx.state(Block(cfg, rngs=nnx.Rngs(k), moe=moe)))(keys_L)
+    state = jax.vmap(lambda k: nnx.state(block(k)))(keys_L)
     state = jax.tree.map(
         lambda v: v.replace(axes=("layers",) + v.axes),
         state,
@@ -120,13 +173,15 @@ def _block_forward(
     window: Window,
     key: jax.Array | None,
     collect: bool,
+    memory: Memory | None = None,
 ) -> tuple[jax.Array, Stats]:
     """One block without a cache, and what it sowed, by name: with `collect`, or when its FFN is a
     mixture of experts (whose routing losses the trainer needs); else {}."""
     if not (collect or isinstance(block.ffn, MoE)):
-        return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key)[0], {}
+        return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, memory=memory)[0], {}
     forward = nnx.capture(
-        lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=collect)[0], nnx.Intermediate
+        lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=collect, memory=memory)[0],
+        nnx.Intermediate,
     )
     x_BxTxD, sown = forward(block)
     # each sown value is a one-element tuple
@@ -141,11 +196,15 @@ def _remat(cfg: ModelConfig, step: BlockStep, static_argnums: tuple[int, ...]) -
 
 
 def _over_layers(
-    cfg: ModelConfig, step: BlockStep, x_BxTxD: jax.Array, state: nnx.State, keys_L: jax.Array | None
+    cfg: ModelConfig,
+    step: BlockStep,
+    x_BxTxD: jax.Array,
+    state: nnx.State,
+    keys_L: jax.Array | None,
+    windows: tuple[int | None, ...],
 ) -> tuple[jax.Array, Stats]:
-    """`step` through the L layers of the stacked `state`: unrolled, or scanned (with the window
-    static when every layer has the same, else scanned as a value with the rest)."""
-    windows = cfg.layer_windows
+    """`step` through the L layers of the stacked `state` with their `windows`: unrolled, or scanned
+    (with the window static when every layer has the same, else scanned as a value with the rest)."""
     if not cfg.scan_layers:
         return _unrolled(_remat(cfg, step, (3,)), x_BxTxD, state, keys_L, windows)
     if len(set(windows)) == 1:
@@ -237,9 +296,12 @@ def _default_positions(tokens_BxT: jax.Array) -> jax.Array:
 
 
 class Transformer(nnx.Module):
-    """Decoder-only language model: token embedding (plus what the position scheme adds to it), L
-    blocks, a final norm where the placement needs one, and the output head (the transposed
-    embedding when tied)."""
+    """A language model of one of the three families (`model.arch`): token embedding (plus what the
+    position scheme adds to it), the main stack `blocks` (a decoder's causal blocks, or an encoder's
+    bidirectional ones), a final norm where the placement needs one, and the output head (the
+    transposed embedding when tied). An encoder-decoder adds `encoder_blocks` (bidirectional, with
+    its own final norm `encoder_norm`) sharing the token embedding, and its decoder blocks
+    cross-attend to the encoder output."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -254,6 +316,12 @@ class Transformer(nnx.Module):
         self.moe_blocks = _stacked_blocks(cfg, rngs, n_moe, moe=True) if n_moe else None
         self.final_norm = Norm(cfg) if cfg.final_norm else None
         self.head = None if cfg.tie_embeddings else normal_param(rngs, (D, V), ("embed", "vocab"), scales.head, cfg)
+        # drawn last, so that a decoder-only model's parameters are what they always were
+        encoder_decoder = cfg.arch == "encoder_decoder"
+        self.encoder_blocks = (
+            _stacked_blocks(cfg, rngs, cfg.n_encoder_layers, encoder_stack=True) if encoder_decoder else None
+        )
+        self.encoder_norm = Norm(cfg) if encoder_decoder and cfg.final_norm else None
 
     def embed_tokens(self, tokens_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds."""
@@ -268,50 +336,135 @@ class Transformer(nnx.Module):
         segment_ids_BxT: jax.Array | None = None,
         key: jax.Array | None = None,
         collect: bool = False,
+        memory: Memory | None = None,
     ) -> tuple[jax.Array, Stats]:
-        """(the block stack on embeddings x, then the final norm where the placement has one; each
-        layer's statistics {name: [L]} with `collect` (see Block), else {})."""
+        """(the main stack on embeddings x, then the final norm where the placement has one; each
+        layer's statistics {name: [L]} with `collect` (see Block), else {}). `memory`: the encoder
+        output an encoder-decoder's decoder blocks cross-attend to."""
         steps, states = {}, {}
         for name in ("blocks", "moe_blocks"):
             if getattr(self, name) is not None:
                 graphdef, states[name] = nnx.split(getattr(self, name))
-                steps[name] = self._layer_step(graphdef, positions_BxT, segment_ids_BxT, collect)
+                steps[name] = self._layer_step(graphdef, positions_BxT, segment_ids_BxT, collect, memory)
         keys_L = None if key is None else jax.random.split(key, self.cfg.n_layers)
         if len(steps) == 1:  # one kind of layer: one stack, scanned as it is
             (name,) = steps
-            x_BxTxD, stats_L = _over_layers(self.cfg, steps[name], x_BxTxD, states[name], keys_L)
+            x_BxTxD, stats_L = _over_layers(
+                self.cfg, steps[name], x_BxTxD, states[name], keys_L, self.cfg.layer_windows
+            )
         else:
             x_BxTxD, stats_L = _over_groups(self.cfg, steps, states, x_BxTxD, keys_L)
         if self.final_norm is not None:
             x_BxTxD = self.final_norm(x_BxTxD)
         return x_BxTxD, stats_L
 
+    def run_encoder(
+        self,
+        x_BxSxD: jax.Array,
+        positions_BxS: jax.Array,
+        segment_ids_BxS: jax.Array | None = None,
+        key: jax.Array | None = None,
+        collect: bool = False,
+    ) -> tuple[jax.Array, Stats]:
+        """`run_blocks` for an encoder-decoder's encoder stack and its final norm."""
+        assert self.encoder_blocks is not None, "only an encoder-decoder has an encoder stack"
+        graphdef, state = nnx.split(self.encoder_blocks)
+        step = self._layer_step(graphdef, positions_BxS, segment_ids_BxS, collect)
+        keys_L = None if key is None else jax.random.split(key, self.cfg.n_encoder_layers)
+        x_BxSxD, stats_L = _over_layers(self.cfg, step, x_BxSxD, state, keys_L, self.cfg.encoder_layer_windows)
+        if self.encoder_norm is not None:
+            x_BxSxD = self.encoder_norm(x_BxSxD)
+        return x_BxSxD, stats_L
+
     @staticmethod
     def _layer_step(
-        graphdef: nnx.GraphDef, positions_BxT: jax.Array, segment_ids_BxT: jax.Array | None, collect: bool
+        graphdef: nnx.GraphDef,
+        positions_BxT: jax.Array,
+        segment_ids_BxT: jax.Array | None,
+        collect: bool,
+        memory: Memory | None = None,
     ) -> BlockStep:
+        # the memory is the same for every layer: closed over, like the positions
         def step(x: jax.Array, state_l: nnx.State, key_l: jax.Array | None, window: Window) -> tuple[jax.Array, Stats]:
             block = nnx.merge(graphdef, state_l)
-            return _block_forward(block, x, positions_BxT, segment_ids_BxT, window, key_l, collect)
+            return _block_forward(block, x, positions_BxT, segment_ids_BxT, window, key_l, collect, memory)
 
         return step
 
+    def encode(
+        self,
+        encoder_tokens_BxS: jax.Array,
+        positions_BxS: jax.Array | None = None,
+        segment_ids_BxS: jax.Array | None = None,
+        key: jax.Array | None = None,
+    ) -> jax.Array:
+        """The encoder output [B, S, D] of an encoder-decoder (what its decoder cross-attends to):
+        computed once per input for decoding (`init_cache`)."""
+        return self._encoded(encoder_tokens_BxS, positions_BxS, segment_ids_BxS, key, collect=False)[0]
+
+    def _encoded(
+        self,
+        tokens_BxS: jax.Array,
+        positions_BxS: jax.Array | None,
+        segment_ids_BxS: jax.Array | None,
+        key: jax.Array | None,
+        collect: bool,
+    ) -> tuple[jax.Array, Stats]:
+        """(the encoder output, the encoder stack's statistics): the shared embedding, then the stack."""
+        if positions_BxS is None:
+            positions_BxS = _default_positions(tokens_BxS)
+        embed_key = block_key = None
+        if key is not None:
+            embed_key, block_key = jax.random.split(key)
+        x_BxSxD = dropout(self.embed_tokens(tokens_BxS, positions_BxS), self.cfg.dropout, embed_key)
+        return self.run_encoder(x_BxSxD, positions_BxS, segment_ids_BxS, block_key, collect)
+
+    def _memory(
+        self,
+        encoder_tokens_BxS: jax.Array | None,
+        positions_BxS: jax.Array | None,
+        segment_ids_BxS: jax.Array | None,
+        key: jax.Array | None,
+        collect: bool = False,
+    ) -> tuple[Memory | None, Stats]:
+        """(what the decoder cross-attends to, the encoder's statistics): an encoder-decoder needs its
+        input, the other families take none."""
+        if (encoder_tokens_BxS is None) != (self.cfg.arch != "encoder_decoder"):
+            raise ValueError(f"encoder_tokens_BxS is given exactly to an encoder_decoder, not to a {self.cfg.arch}")
+        if encoder_tokens_BxS is None:
+            return None, {}
+        encoder_key = None if key is None else jax.random.fold_in(key, 1)
+        x_BxSxD, stats = self._encoded(encoder_tokens_BxS, positions_BxS, segment_ids_BxS, encoder_key, collect)
+        return Memory(x_BxSxD, segment_ids_BxS), stats
+
     def layer_block(self, i: int) -> Block:
-        """Layer i's block, taken out of its stack."""
+        """Layer i's block of the main stack, taken out of its stack."""
         stack, j = layer_slots(self.cfg)[i]
         graphdef, state = nnx.split(getattr(self, stack))
         return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], state))
 
     def stability_stats(
-        self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None, segment_ids_BxT: jax.Array | None = None
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        segment_ids_BxT: jax.Array | None = None,
+        *,
+        encoder_tokens_BxS: jax.Array | None = None,
+        encoder_positions_BxS: jax.Array | None = None,
+        encoder_segment_ids_BxS: jax.Array | None = None,
     ) -> Stats:
         """One deterministic forward pass that reports, per layer ([L] each): attention logit max and
         mean, attention entropy, residual-stream RMS after the block; and the mean output log Z
-        (what z-loss pushes toward 0)."""
+        (what z-loss pushes toward 0). An encoder-decoder adds its encoder stack's as `encoder_*`
+        ([L_enc]) and its decoder's cross-attention as `cross_attn_*` ([L])."""
         if positions_BxT is None:
             positions_BxT = _default_positions(tokens_BxT)
+        memory, encoder_stats = self._memory(
+            encoder_tokens_BxS, encoder_positions_BxS, encoder_segment_ids_BxS, None, collect=True
+        )
         x_BxTxD = self.embed_tokens(tokens_BxT, positions_BxT)
-        x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, collect=True)
+        x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, collect=True, memory=memory)
+        stats.update({f"encoder_{name}": value for name, value in encoder_stats.items()})
         stats["log_z_mean"] = jnp.mean(jax.nn.logsumexp(self.logits(x_BxTxD), axis=-1))
         return stats
 
@@ -332,13 +485,35 @@ class Transformer(nnx.Module):
             logits_BxTxV = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits_BxTxV, MASK_VALUE)
         return logits_BxTxV
 
-    def init_cache(self, batch: int, max_len: int) -> list[KVCache]:
+    def init_cache(
+        self,
+        batch: int,
+        max_len: int,
+        memory_BxSxD: jax.Array | None = None,
+        memory_segment_ids_BxS: jax.Array | None = None,
+    ) -> list[KVCache]:
         """An empty KV cache for `max_len` tokens: per layer, K/V for the kv heads only (GQA and MQA
         caches shrink in proportion; MLA keeps its latent and rope key instead), a ring buffer of
-        `window` entries for sliding-window layers."""
+        `window` entries for sliding-window layers. An encoder-decoder's layers also keep the keys
+        and values of its encoder output `memory_BxSxD` (`encode`), made once here: `cross_k`,
+        `cross_v` [B, S, K, H] and `cross_segments` [B, S] (0: padding, never attended; default 1)."""
+        if not self.cfg.causal:
+            raise ValueError("an encoder decodes nothing: its predictions at masked positions come from fill_mask")
         stack = self.blocks if self.blocks is not None else self.moe_blocks  # every layer has the same attention
         assert stack is not None
-        return [stack.attn.empty_cache(batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
+        caches = [stack.attn.empty_cache(batch, cache_size(w, max_len)) for w in self.cfg.layer_windows]
+        if (memory_BxSxD is None) != (self.cfg.arch != "encoder_decoder"):
+            raise ValueError(f"memory_BxSxD is given exactly to an encoder_decoder, not to a {self.cfg.arch}")
+        if memory_BxSxD is None:
+            return caches
+        if memory_segment_ids_BxS is None:
+            memory_segment_ids_BxS = jnp.ones(memory_BxSxD.shape[:2], jnp.int32)
+        for i, cache in enumerate(caches):
+            cross_attn = self.layer_block(i).cross_attn
+            assert cross_attn is not None, "an encoder-decoder's decoder blocks cross-attend"
+            entries = cross_attn.memory_entries(memory_BxSxD)
+            cache.update(cross_k=entries["k"], cross_v=entries["v"], cross_segments=memory_segment_ids_BxS)
+        return caches
 
     def decode(
         self, tokens_BxT: jax.Array, positions_BxT: jax.Array, cache: list[KVCache], index: int | jax.Array
@@ -367,9 +542,10 @@ class Transformer(nnx.Module):
         positions_BxT: jax.Array | None = None,
         segment_ids_BxT: jax.Array | None = None,
         key: jax.Array | None = None,
+        **encoder_inputs: jax.Array | None,
     ) -> jax.Array:
         """Logits [B, T, V] for every position (teacher forcing); see `forward` for the arguments."""
-        return self.logits(self.forward(tokens_BxT, positions_BxT, segment_ids_BxT, key)[0])
+        return self.logits(self.forward(tokens_BxT, positions_BxT, segment_ids_BxT, key, **encoder_inputs)[0])
 
     def forward(
         self,
@@ -377,6 +553,10 @@ class Transformer(nnx.Module):
         positions_BxT: jax.Array | None = None,
         segment_ids_BxT: jax.Array | None = None,
         key: jax.Array | None = None,
+        *,
+        encoder_tokens_BxS: jax.Array | None = None,
+        encoder_positions_BxS: jax.Array | None = None,
+        encoder_segment_ids_BxS: jax.Array | None = None,
     ) -> tuple[jax.Array, Stats]:
         """(the last hidden states [B, T, D], before the output projection, the routing terms of the
         MoE layers, each of `moe.STEP_METRICS` reduced over them; {} for a dense model). A chunked
@@ -384,13 +564,17 @@ class Transformer(nnx.Module):
 
         positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
         segment_ids_BxT: document ids, attention never crosses a change of id;
-        key: dropout randomness; None runs deterministically (evaluation).
+        key: dropout randomness; None runs deterministically (evaluation);
+        encoder_*_BxS: an encoder-decoder's input (required there, refused elsewhere), its positions
+        (default 0..S-1) and segment ids; decoder position t cross-attends to encoder position s iff
+        their segment ids are equal when both are given, else to every encoder position.
         """
         if positions_BxT is None:
             positions_BxT = _default_positions(tokens_BxT)
         embed_key = block_key = None
         if key is not None:
             embed_key, block_key = jax.random.split(key)
+        memory, _ = self._memory(encoder_tokens_BxS, encoder_positions_BxS, encoder_segment_ids_BxS, key)
         x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
-        x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key)
+        x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key, memory=memory)
         return x_BxTxD, {k: over(stats[f"layer_{k}"]) for k, over in STEP_METRICS.items() if f"layer_{k}" in stats}
