@@ -302,14 +302,15 @@ def test_a_prompts_file_that_is_not_utf8_is_one_line(run_dir, tmp_path, capsys):
 def test_a_prompt_the_bpe_cannot_take_is_one_line_naming_it():
     from transformer.config import ConfigError
     from transformer.evaluate import encode_prompts
+    from transformer.objectives import Vocab
     from transformer.tokenizer import train_bpe
 
-    tok = train_bpe(iter(["hello world, a few words of text"] * 20), 300)
+    tok = Vocab(train_bpe(iter(["hello world, a few words of text"] * 20), 300))
     bad = b"caf\xff".decode("utf-8", errors="surrogateescape")  # what argv holds for undecodable bytes
     with pytest.raises(ConfigError) as info:
         encode_prompts(tok, ["hello", bad])
     assert str(info.value).startswith("--generate:") and repr(bad) in str(info.value)
-    assert encode_prompts(tok, ["hello"]) == [list(tok.encode_batch(["hello"])[0])]
+    assert encode_prompts(tok, ["hello"]) == [list(tok.tokenizer.encode_batch(["hello"])[0])]
 
 
 @pytest.mark.slow

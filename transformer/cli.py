@@ -294,6 +294,13 @@ def eval_parser() -> argparse.ArgumentParser:
         "--generate", action="append", default=[], metavar="PROMPT", help="sample a continuation (repeatable)"
     )
     p.add_argument("--prompts", default=None, help="a file of prompts, one per line")
+    p.add_argument(
+        "--fill-mask",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="an encoder's predictions at each <mask> of TEXT (repeatable; --top-k of them, default 5)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -338,6 +345,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     try:
         if args.export_hf is not None:
             return _export_main(args)
+        if args.fill_mask:
+            return _fill_mask_main(args)
         if prompts:
             return _sample_main(args, prompts)
         return _evaluate_main(args)
@@ -398,6 +407,22 @@ def _export_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fill_mask_main(args: argparse.Namespace) -> int:
+    from transformer import evaluate
+
+    if args.workdir is None:
+        _fail("eval.py", "--fill-mask reads a run's encoder: give --workdir DIR")
+    results = evaluate.fill_masks(Path(args.workdir), args.fill_mask, args.top_k or 5, args.step)
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    for r in results:
+        print(r["filled"])
+        for i, top in enumerate(r["top"]):
+            print(f"  <mask> {i}: " + "  ".join(repr(t) for t in top))
+    return 0
+
+
 def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
     from transformer import evaluate, hf
     from transformer.generate import SamplingConfig
@@ -412,8 +437,10 @@ def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
     if args.json:
         print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)]))
     else:
+        # a pair's output answers its input; a continuation goes on from the prompt
+        joint = " -> " if cfg.model.arch == "encoder_decoder" or cfg.data.objective == "prefix" else ""
         for prompt, text in zip(prompts, texts):
-            print(prompt + text)
+            print(prompt + joint + text)
             print("-" * 40)
     return 0
 

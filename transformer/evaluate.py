@@ -12,8 +12,9 @@ from transformer.checkpoint import Checkpointer
 from transformer.config import SAFE_ON_RESUME, Config, ConfigError, config_changes
 from transformer.config_loader import apply_overrides, from_dict
 from transformer.data import Data, prepare
-from transformer.generate import SamplingConfig, generate
-from transformer.tokenizer import Tokenizer, TokenizerError
+from transformer.generate import SamplingConfig, fill_mask, generate, generate_seq2seq
+from transformer.objectives import Vocab, make_objective
+from transformer.tokenizer import TokenizerError
 from transformer.trainer import Trainer
 
 
@@ -166,59 +167,113 @@ def per_source(cfg: Config, data: Data, result: dict[str, float]) -> dict[str, d
     }
 
 
-def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
-    """Each prompt's ids; a prompt the run's tokenizer cannot take (a BPE refuses the lone surrogates
-    that stand for undecodable bytes in argv) is a ConfigError naming it."""
-    try:
-        return [list(ids) for ids in tokenizer.encode_batch(prompts)]
-    except TokenizerError:
-        for text in prompts:
-            try:
-                tokenizer.encode_batch([text])
-            except TokenizerError as e:
-                raise ConfigError("--generate", f"prompt {text[:30]!r}: {e}") from None
-        raise
+def encode_prompts(vocab: Vocab, prompts: list[str], flag: str = "--generate") -> list[list[int]]:
+    """Each prompt's ids (<mask> and <extra_id_i> as the objective's own ids); a prompt the run's
+    tokenizer cannot take (a BPE refuses the lone surrogates that stand for undecodable bytes in
+    argv) is a ConfigError naming it."""
+    out = []
+    for text in prompts:
+        try:
+            out.append(vocab.encode(text))
+        except TokenizerError as e:
+            raise ConfigError(flag, f"prompt {text[:30]!r}: {e}") from None
+    return out
 
 
-def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: int | None = None) -> list[str]:
-    from transformer.checkpoint import load
+def _run_vocab(workdir: Path, step: int | None) -> tuple[Config, Vocab]:
+    """The run's config and vocabulary (its tokenizer and objective's extra ids), once the asked
+    checkpoint is known to exist (a missing step is a one-line error before any work)."""
     from transformer.data import cache_directory, make_tokenizer
 
     cfg = run_config(workdir, [])
     ckpt = Checkpointer(workdir, cfg.checkpoint, read_only=True)
     try:
-        ckpt.pick(step)  # before any work: a missing step is a one-line error
+        ckpt.pick(step)
     finally:
         ckpt.close()
     tokenizer = make_tokenizer(cfg.data, workdir, cache_directory(cfg.data))
-    encoded = checked_prompts(cfg, tokenizer, prompts, sampling)
+    return cfg, make_objective(cfg.data, tokenizer).vocab
+
+
+def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: int | None = None) -> list[str]:
+    from transformer.checkpoint import load
+
+    cfg, vocab = _run_vocab(workdir, step)
+    encoded = checked_prompts(cfg, vocab, prompts, sampling)
     _, model = load(workdir, step, note)
-    return complete(model, tokenizer, encoded, sampling)
+    return complete(cfg, model, vocab, encoded, sampling)
 
 
-def checked_prompts(cfg: Config, tokenizer: Tokenizer, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
-    """Each prompt's ids; an empty prompt, or one too long for the model's context, is a ConfigError."""
-    encoded = encode_prompts(tokenizer, prompts)
+def checked_prompts(cfg: Config, vocab: Vocab, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
+    """Each prompt's ids; an empty prompt, or one too long for the model's context, is a ConfigError.
+    An encoder-decoder's prompt is its encoder's input, and its output starts afresh."""
+    _check(
+        cfg.model.arch != "encoder", "an encoder-only model does not generate: ask it --fill-mask 'text with <mask>'"
+    )
+    encoded = encode_prompts(vocab, prompts)
     for text, ids in zip(prompts, encoded):
-        if not ids:
-            raise ConfigError("--generate", "an empty prompt: give at least one character")
+        _check(bool(ids), "an empty prompt: give at least one character")
         assert cfg.model.max_seq_len is not None  # a run's Config fills it from data.seq_len
-        if len(ids) > cfg.model.max_seq_len:
-            raise ConfigError(
-                "--generate",
-                f"prompt {text[:30]!r}... is {len(ids)} tokens, longer than the context of {cfg.model.max_seq_len}",
-            )
-        longest = len(ids) + sampling.max_new_tokens
-        if not cfg.model.fits_positions(longest):
-            raise ConfigError(
-                "--generate",
-                f"prompt {text[:30]!r}... is {len(ids)} tokens; with --max-new-tokens {sampling.max_new_tokens} "
-                f"that exceeds the model's context of {cfg.model.max_seq_len}",
-            )
+        _check(
+            len(ids) <= cfg.model.max_seq_len,
+            f"prompt {text[:30]!r}... is {len(ids)} tokens, longer than the context of {cfg.model.max_seq_len}",
+        )
+        # the decoder's row: BOS then the output (encoder-decoder), or the prompt, the separator of
+        # a prefix run, then the continuation
+        before = 1 if cfg.model.arch == "encoder_decoder" else len(ids) + (cfg.data.objective == "prefix")
+        _check(
+            cfg.model.fits_positions(before + sampling.max_new_tokens),
+            f"prompt {text[:30]!r}... is {len(ids)} tokens; with --max-new-tokens {sampling.max_new_tokens} "
+            f"that exceeds the model's context of {cfg.model.max_seq_len}",
+        )
     return encoded
 
 
-def complete(model, tokenizer: Tokenizer, encoded: list[list[int]], sampling: SamplingConfig) -> list[str]:
-    """The sampled continuation of each prompt, as text."""
-    out = generate(model, encoded, tokenizer.eos_id, tokenizer.pad_id, sampling)
-    return [tokenizer.decode(ids) for ids in out]
+def _check(ok: bool, message: str, flag: str = "--generate") -> None:
+    if not ok:
+        raise ConfigError(flag, message)
+
+
+def complete(cfg: Config, model, vocab: Vocab, encoded: list[list[int]], sampling: SamplingConfig) -> list[str]:
+    """The sampled continuation of each prompt, as text: an encoder-decoder's output for the prompt
+    as its input; a decoder trained on pairs (prefix) continues after the separator it was trained
+    with, so the prompt is an input and the continuation its target."""
+    t = vocab.tokenizer
+    if cfg.model.arch == "encoder_decoder":
+        out = generate_seq2seq(model, encoded, t.bos_id, t.eos_id, t.pad_id, sampling)
+    else:
+        separator = [t.bos_id] if cfg.data.objective == "prefix" else []
+        out = generate(model, [ids + separator for ids in encoded], t.eos_id, t.pad_id, sampling)
+    return [vocab.decode(ids) for ids in out]
+
+
+def fill_masks(workdir: Path, texts: list[str], top_k: int, step: int | None = None) -> list[dict]:
+    """`eval.py --fill-mask TEXT`: an encoder's `top_k` predictions at each <mask> of each text,
+    and the text with every mask replaced by its best prediction."""
+    from transformer.checkpoint import load
+
+    cfg, vocab = _run_vocab(workdir, step)
+    _check(cfg.model.arch == "encoder", f"fills masks with an encoder (model.arch={cfg.model.arch})", "--fill-mask")
+    encoded = encode_prompts(vocab, texts, "--fill-mask")
+    for text, ids in zip(texts, encoded):
+        _check(vocab.mask_id in ids, f"{text[:30]!r} has no <mask> to fill", "--fill-mask")
+        _check(
+            len(ids) <= (cfg.model.max_seq_len or 0),
+            f"{text[:30]!r}... is {len(ids)} tokens, longer than the context of {cfg.model.max_seq_len}",
+            "--fill-mask",
+        )
+    _, model = load(workdir, step, note)
+    assert vocab.mask_id is not None  # an encoder's objective (mlm) has one
+    best = fill_mask(model, encoded, vocab.mask_id, vocab.tokenizer.pad_id, top_k)
+    out = []
+    for text, ids, per_mask in zip(texts, encoded, best):
+        filled, choices = iter([b[0] for b in per_mask]), iter(per_mask)
+        ids = [next(filled) if i == vocab.mask_id else i for i in ids]
+        out.append(
+            {
+                "text": text,
+                "filled": vocab.decode(ids),
+                "top": [[vocab.decode([c]) for c in next(choices)] for _ in per_mask],
+            }
+        )
+    return out

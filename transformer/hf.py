@@ -827,13 +827,14 @@ def sample(path: Path, prompts: list[str], sampling) -> list[str]:
     from transformer.data import cache_directory, make_tokenizer
     from transformer.evaluate import checked_prompts, complete
     from transformer.model import Transformer
+    from transformer.objectives import Vocab
 
     cfg = run_config(path)
-    tokenizer = make_tokenizer(cfg.data, None, cache_directory(cfg.data))
-    encoded = checked_prompts(cfg, tokenizer, prompts, sampling)
+    vocab = Vocab(make_tokenizer(cfg.data, None, cache_directory(cfg.data)))
+    encoded = checked_prompts(cfg, vocab, prompts, sampling)
     params = load_params(path, cfg.model, abstract_params(cfg.model))
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
-    return complete(nnx.merge(graphdef, params), tokenizer, encoded, sampling)
+    return complete(cfg, nnx.merge(graphdef, params), vocab, encoded, sampling)
 
 
 def export_run(workdir: Path, step: int | None, out: Path, note: Callable[[str], None]) -> str:

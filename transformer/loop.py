@@ -22,7 +22,7 @@ from transformer.config import Config
 from transformer.data import Data
 from transformer.errors import EXIT_FAILED, first_line
 from transformer.metrics import Progress, Throughput, device_peak_flops
-from transformer.model.summary import count_params, flops_per_token
+from transformer.model.summary import count_params
 from transformer.monitor import COLLAPSE_LOAD, Anomaly, Faults, Monitor, MonitorStop, Recovery
 from transformer.profile import ProfileWindow
 from transformer.rundir import RunWriter
@@ -97,8 +97,7 @@ class TrainLoop:
         self.faults = Faults(cfg.faults, self.recovery, self.writer.event)
         self.monitor = Monitor(cfg.monitor, monitor_state)
         self.progress = Progress(cfg.train.steps, self.step, self.lead and cfg.logging.progress)
-        tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-        flops_per_step = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
+        tokens_per_step, flops_per_step = preflight.work_per_step(cfg)
         self.meter = Throughput(tokens_per_step, flops_per_step, self.mesh.devices.size, self.peak, self.step)
         self.pending: list = []  # (step, device metrics) read one step late, so the device never waits
         self.train_loss = math.nan

@@ -454,9 +454,19 @@ def make_objective(cfg: DataConfig, tokenizer: Tokenizer) -> Objective:
     return SpanCorruption(Vocab(tokenizer, n_sentinels=spans), length, cfg.noise_density, cfg.mean_span_length)
 
 
-def extra_ids(cfg: DataConfig) -> int:
-    """How many ids `cfg`'s objective adds after any tokenizer's, known without the tokenizer (for a
-    vocabulary reckoned before the data is prepared, as preflight does)."""
+def _without_tokenizer(cfg: DataConfig) -> Objective:
+    """`cfg`'s objective over a stand-in tokenizer: what it adds and how long its rows are do not
+    depend on the tokenizer (for what is reckoned before the data is prepared, as preflight does)."""
     from transformer.tokenizer import ByteTokenizer
 
-    return make_objective(cfg, ByteTokenizer()).vocab.n_extra
+    return make_objective(cfg, ByteTokenizer())
+
+
+def extra_ids(cfg: DataConfig) -> int:
+    """How many ids `cfg`'s objective adds after any tokenizer's."""
+    return _without_tokenizer(cfg).vocab.n_extra
+
+
+def row_lengths(cfg: DataConfig) -> tuple[int, int | None]:
+    """(tokens per row of `inputs`, per encoder row or None) of `cfg`'s batches."""
+    return _without_tokenizer(cfg).lengths

@@ -24,6 +24,7 @@ from transformer.accelerator import resolve
 from transformer.config import Config, ConfigError
 from transformer.errors import EXIT_USAGE, first_line
 from transformer.model.summary import count_params, flops_per_token
+from transformer.objectives import row_lengths
 from transformer.trainer import Trainer, TrainState, default_controls
 
 MEMORY_KNOBS = (
@@ -247,7 +248,7 @@ def measure(
     state: TrainState = trainer.abstract_state()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # older jax: one dict per program
-    tokens = cfg.train.batch_size * cfg.data.seq_len
+    _, flops = work_per_step(cfg)
     return Plan(
         parameters=per_device_bytes(state.params),
         optimizer=per_device_bytes((state.step, state.opt_state)),
@@ -259,11 +260,27 @@ def measure(
         peak=getattr(memory, "peak_memory_in_bytes", 0),
         flops=float((cost or {}).get("flops", math.nan)),
         scanned=cfg.model.scan_layers and cfg.model.n_layers > 1,
-        model_flops=flops_per_token(cfg.model, cfg.data.seq_len) * tokens / len(target.devices),
+        model_flops=flops / len(target.devices),
         compile_s=seconds,
         capacity=target.capacity,
         where=target.where,
     )
+
+
+def work_per_step(cfg: Config) -> tuple[int, float]:
+    """(tokens, model FLOPs) of one training step: the tokens of every row (the trained stream's and
+    an encoder's), and `flops_per_token` of the trained stream's tokens (an encoder-decoder's figure
+    is per target token and includes its encoder's work)."""
+    T, S = row_lengths(cfg.data)
+    B = cfg.train.batch_size
+    per_token = flops_per_token(cfg.model, T) if S is None else flops_per_token(cfg.model, S, T)
+    return B * (T + (S or 0)), per_token * B * T
+
+
+def rows_text(cfg: Config) -> str:
+    """A row's length, '256', or an encoder-decoder's '(input 128 + target 40)'."""
+    T, S = row_lengths(cfg.data)
+    return str(T) if S is None else f"(input {S} + target {T})"
 
 
 def start_step(trainer: Trainer, local: dict[str, np.ndarray]) -> tuple[Callable, Plan]:
@@ -301,7 +318,7 @@ def report(cfg: Config, target: Target, plan: Plan) -> str:
     return "\n".join(
         [
             f"preflight: {count_params(cfg.model):,} parameters, batch {cfg.train.batch_size} x "
-            f"{cfg.data.seq_len} tokens, on {target.name}",
+            f"{rows_text(cfg)} tokens, on {target.name}",
             plan.memory(),
             plan.compute(),
         ]
