@@ -170,7 +170,11 @@ def test_cached_decoding_with_cross_attention_equals_the_full_forward(kw):
     source = jax.random.randint(jax.random.key(0), (2, S), 0, cfg.vocab_size)
     target = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.vocab_size)
     enc_segments = jnp.asarray([[1] * S, [1] * 5 + [0] * 3])
-    full = model(target, None, jnp.ones_like(target), encoder_tokens_BxS=source, encoder_segment_ids_BxS=enc_segments)
+    full = nnx.jit(
+        lambda m: m(
+            target, None, jnp.ones_like(target), encoder_tokens_BxS=source, encoder_segment_ids_BxS=enc_segments
+        )
+    )(model)
     graphdef, params = nnx.split(model)
     cached = decode_step_by_step(graphdef, params, source, enc_segments, target, prefill=2)
     np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
@@ -187,7 +191,7 @@ def test_greedy_decoding_is_teacher_forcing_on_its_own_output():
     for source, out in zip(inputs, outputs):
         assert len(out) >= 1
         decoder_in = jnp.asarray([[bos] + out[:-1]])
-        logits = model(decoder_in, encoder_tokens_BxS=jnp.asarray([source]))
+        logits = nnx.jit(lambda m, d, s: m(d, encoder_tokens_BxS=s))(model, decoder_in, jnp.asarray([source]))
         assert np.asarray(jnp.argmax(logits[0], axis=-1)).tolist() == out
 
 
@@ -201,16 +205,16 @@ def test_the_encoder_stack_scanned_equals_unrolled_with_remat():
     source = jax.random.randint(jax.random.key(0), (2, S), 0, 61)
     target = jax.random.randint(jax.random.key(1), (2, T), 0, 61)
     key = jax.random.key(3)  # dropout on: the per-layer keys must line up too
-    for a, b in [
-        (scanned.encode(source, key=key), unrolled.encode(source, key=key)),
-        (scanned(target, key=key, encoder_tokens_BxS=source), unrolled(target, key=key, encoder_tokens_BxS=source)),
-    ]:
-        np.testing.assert_allclose(a, b, atol=1e-5)
-    stats_a = scanned.stability_stats(target, encoder_tokens_BxS=source)
-    stats_b = unrolled.stability_stats(target, encoder_tokens_BxS=source)
-    assert stats_a.keys() == stats_b.keys()
-    for name in stats_a:
-        np.testing.assert_allclose(stats_a[name], stats_b[name], atol=1e-5, err_msg=name)
+
+    @nnx.jit
+    def everything(m):
+        stats = m.stability_stats(target, encoder_tokens_BxS=source)
+        return dict(encoded=m.encode(source, key=key), logits=m(target, key=key, encoder_tokens_BxS=source), **stats)
+
+    a, b = everything(scanned), everything(unrolled)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("arch", ["encoder", "encoder_decoder"])
@@ -222,8 +226,9 @@ def test_einsum_equals_xla_for_bidirectional_and_cross_attention(arch):
     extra = {}
     if arch == "encoder_decoder":
         extra = dict(encoder_tokens_BxS=tokens[:, ::-1], encoder_segment_ids_BxS=segments)
-    np.testing.assert_allclose(einsum(tokens, None, segments, **extra), xla(tokens, None, segments, **extra), atol=1e-5)
-    np.testing.assert_allclose(einsum(tokens, **extra), xla(tokens, **extra), atol=1e-5)  # the static path
+    both = nnx.jit(lambda m: (m(tokens, None, segments, **extra), m(tokens, **extra)))  # with segments, the static path
+    for a, b in zip(both(einsum), both(xla)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_the_encoder_input_goes_exactly_to_an_encoder_decoder_and_encoders_do_not_decode():
@@ -243,8 +248,8 @@ def test_stats_name_the_encoder_stack_and_cross_attention():
     model = build(cfg)
     target = jax.random.randint(jax.random.key(1), (1, T), 0, 61)
     source = jax.random.randint(jax.random.key(0), (1, S), 0, 61)
-    stats = model.stability_stats(
-        target, None, DEC_SEGMENTS, encoder_tokens_BxS=source, encoder_segment_ids_BxS=ENC_SEGMENTS
+    stats = nnx.jit(type(model).stability_stats)(
+        model, target, None, DEC_SEGMENTS, encoder_tokens_BxS=source, encoder_segment_ids_BxS=ENC_SEGMENTS
     )
     assert stats["encoder_attn_entropy"].shape == stats["encoder_residual_rms"].shape == (3,)
     assert (
@@ -264,7 +269,7 @@ def test_fill_mask_predicts_the_best_tokens_at_each_mask_whatever_the_padding():
     rows = [[5, mask, 7, 8, mask, 9], [11, mask]]
     predicted = fill_mask(model, rows, mask, pad, top_k=3)
     for row, best in zip(rows, predicted):
-        logits = model(jnp.asarray([row]))[0]
+        logits = nnx.jit(lambda m, r: m(r))(model, jnp.asarray([row]))[0]
         at_masks = [t for t, tok in enumerate(row) if tok == mask]
         assert best == [np.argsort(-np.asarray(logits[t]))[:3].tolist() for t in at_masks]
 
@@ -273,8 +278,8 @@ def test_fill_mask_predicts_the_best_tokens_at_each_mask_whatever_the_padding():
 
 
 def test_deepnorm_takes_the_encoder_decoder_constants_of_the_paper():
-    cfg = encoder_decoder(n_layers=6, n_encoder_layers=12, norm_position="deepnorm", d_model=128)
-    N, M = 12, 6
+    cfg = encoder_decoder(n_layers=3, n_encoder_layers=4, norm_position="deepnorm")
+    N, M = 4, 3
     assert cfg.deepnorm(encoder_stack=True) == pytest.approx(
         (0.81 * (N**4 * M) ** (1 / 16), 0.87 * (N**4 * M) ** (-1 / 16))
     )

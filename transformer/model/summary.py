@@ -247,13 +247,16 @@ def summary_text(cfg: ModelConfig, seq_len: int) -> str:
         else "token (forward+backward,"
     )
     lines.append(f"FLOPs per {per} seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
-    kv = kv_cache_bytes_per_token(cfg)
-    form = "L*(kv_lora_rank+qk_rope_head_dim)*bytes" if cfg.attention == "mla" else "2*L*K*H*bytes"
+    return "\n".join(lines + _cache_lines(cfg))
+
+
+def _cache_lines(cfg: ModelConfig) -> list[str]:
+    """The summary's lines on what decoding keeps per token: none for an encoder."""
     if cfg.arch == "encoder":
-        lines.append("KV cache: none (an encoder does not decode)")
-    else:
-        lines.append(f"KV cache per token: {kv:,} bytes ({cfg.dtype}; {form})")
+        return ["KV cache: none (an encoder does not decode)"]
+    form = "L*(kv_lora_rank+qk_rope_head_dim)*bytes" if cfg.attention == "mla" else "2*L*K*H*bytes"
+    lines = [f"KV cache per token: {kv_cache_bytes_per_token(cfg):,} bytes ({cfg.dtype}; {form})"]
     if cfg.arch == "encoder_decoder":
         cross = cross_cache_bytes_per_source_token(cfg)
         lines.append(f"cross-attention cache per input token: {cross:,} bytes (2*L*K*H*bytes, made once)")
-    return "\n".join(lines)
+    return lines
