@@ -33,6 +33,8 @@ def _cfg(document_mask=False, **model) -> Config:
         ("gpu", _cfg(document_mask=True), "xla", "document masks"),
         ("gpu", _cfg(window=8, attention_pattern=("local", "global")), "xla", "per-layer windows"),
         ("gpu", _cfg(attn_softcap=30.0), "einsum", "attn_softcap"),
+        ("gpu", _cfg(arch="encoder", window=8), "xla", "bidirectionally"),
+        ("gpu", _cfg(arch="encoder_decoder"), "xla", "bidirectionally"),
     ],
 )
 def test_auto_picks_cudnn_only_where_its_masks_and_shapes_allow(platform, cfg, impl, why):

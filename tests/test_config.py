@@ -681,6 +681,11 @@ FAMILY_MISTAKES = [
     (["data.input_field=a", "data.target_field=b"], "data.input_field", "hf: or files:"),
     (["model.arch=encoder", "data.source=hf:x", "data.input_field=a", "data.target_field=b"], "data.source", "pairs"),
     (["model.arch=encoder_decoder", "model.n_experts=4"], "model.n_experts", "dense"),
+    (
+        ["model.arch=encoder", "model.window=8", "model.attention_impl=cudnn", "model.dtype=bfloat16"],
+        "model.attention_impl",
+        "two-sided",
+    ),
 ]
 
 

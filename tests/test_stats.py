@@ -105,3 +105,22 @@ def test_training_writes_per_layer_statistics(tmp_path):
 
     tags = EventAccumulator(str(tmp_path / "run" / "tb")).Reload().Tags()["scalars"]
     assert {"attn_entropy/layer_0", "attn_entropy/layer_2", "residual_rms/layer_1", "log_z_mean"} <= set(tags)
+
+
+def test_throughput_overall_is_the_whole_training_time_not_the_last_reading(monkeypatch):
+    """A reading over one step can be near zero (a CPU step that ran inside its dispatch puts its
+    time on the reading before); the run's figure is all training steps over all training time,
+    with what `restart` leaves out (evaluation, saving) not counted."""
+    from transformer import metrics
+
+    clock = iter([0.0, 10.0, 10.001, 50.0, 60.0])  # start; step 10; step 11 at once; restart; step 20
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    meter = metrics.Throughput(tokens_per_step=100, flops_per_step=1e9, devices=2, peak=1e9)
+    meter.measure(10)
+    meter.measure(11)
+    assert meter.tokens_per_s == pytest.approx(100 / 0.001)  # the last reading alone: absurd
+    meter.restart(11)  # 40 s of evaluation
+    meter.measure(20)
+    tokens_per_s, mfu = meter.overall()
+    assert tokens_per_s == pytest.approx(100 * 20 / 20.001)
+    assert mfu == pytest.approx(1e9 * 20 / 20.001 / 2 / 1e9)

@@ -70,6 +70,10 @@ def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
         (m.attention == "mla", "MLA's keys and values differ in width, which the cuDNN path is not used with here"),
         (cfg.data.document_mask, "document masks are explicit masks, not cuDNN's causal/window mask"),
         (
+            m.arch != "decoder",
+            f"{m.arch} models attend bidirectionally (and across, to the encoder), which the cuDNN path is not used with here",
+        ),
+        (
             m.attention_pattern is not None and m.scan_layers,
             "per-layer windows inside the layer scan are traced, an explicit mask",
         ),

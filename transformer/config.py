@@ -347,6 +347,11 @@ class ModelConfig:
         _check(not self.use_bias, "use_bias", "experts have no biases: set model.use_bias=false with n_experts")
 
     def _check_arch(self) -> None:
+        _check(
+            self.arch == "decoder" or self.window is None or self.attention_impl != "cudnn",
+            "attention_impl",
+            f"cudnn has no two-sided sliding window for a {self.arch}'s bidirectional attention: use xla or einsum",
+        )
         if self.arch != "encoder_decoder":
             _check(
                 self.n_encoder_layers is None,

@@ -156,9 +156,7 @@ class TrainLoop:
             self.profile.close()
             self.progress.close()
             self.writer.close()
-        return RunResult(
-            self.train_loss, self.val, self.meter.tokens_per_s, self.meter.mfu, cfg.train.steps, self.state.params
-        )
+        return RunResult(self.train_loss, self.val, *self.meter.overall(), cfg.train.steps, self.state.params)
 
     def train_one(self) -> None:
         """Train step `self.step`, then evaluate, record statistics, checkpoint, roll back or stop as due."""

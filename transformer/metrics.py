@@ -56,13 +56,23 @@ class Throughput:
     """Training speed over the steps since the last reading: seconds per step, tokens/s, TFLOP/s
     per device and MFU (model FLOPs utilisation: achieved over `peak` FLOP/s, per device).
 
-    Only training counts: `restart` the clock after evaluating or saving, and after a rollback."""
+    Only training counts: `restart` the clock after evaluating or saving, and after a rollback.
+    One reading over few steps can be far off (on a CPU a step may run inside its dispatch, so the
+    time lands on the reading before), hence also the whole run's figures: `overall`."""
 
     def __init__(self, tokens_per_step: int, flops_per_step: float, devices: int, peak: float, step: int = 0):
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
         self.devices, self.peak = devices, peak
         self.tokens_per_s = self.mfu = 0.0  # the latest reading
+        self.steps, self.seconds = 0, 0.0  # every reading's, summed
         self.restart(step)
+
+    def overall(self) -> tuple[float, float]:
+        """(tokens/s, MFU) over all the training time read so far."""
+        if not self.seconds:
+            return 0.0, 0.0
+        per_s = self.steps / self.seconds
+        return self.tokens_per_step * per_s, self.flops_per_step * per_s / self.devices / self.peak
 
     def restart(self, step: int) -> None:
         """Count from now, at `step`."""
@@ -74,6 +84,7 @@ class Throughput:
         now = time.perf_counter()
         values = {}
         if step > self.last_step:
+            self.steps, self.seconds = self.steps + step - self.last_step, self.seconds + now - self.last_time
             seconds = (now - self.last_time) / (step - self.last_step)
             self.tokens_per_s = self.tokens_per_step / seconds
             flops = self.flops_per_step / seconds / self.devices  # FLOP/s of one device

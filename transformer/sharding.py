@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from transformer.config import Config, ConfigError, ModelConfig, check_expert_split, check_tensor_split
 from transformer.errors import first_line
-from transformer.model.summary import count_params, kv_cache_bytes_per_token
+from transformer.model.summary import count_params, cross_cache_bytes_per_source_token, kv_cache_bytes_per_token
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -249,6 +249,8 @@ def check_generation_memory(m: ModelConfig, rows: int, new_tokens: int) -> None:
     generated tokens cannot fit in one device's memory. The key named is `--max-new-tokens`."""
     per_token_layer = kv_cache_bytes_per_token(m) // m.n_layers
     cache = rows * sum(new_tokens if w is None else min(w, new_tokens) for w in m.layer_windows) * per_token_layer
+    # an encoder-decoder also keeps every decoder layer's cross-attention keys and values of its input
+    cache += rows * (m.max_seq_len or 0) * cross_cache_bytes_per_source_token(m)
     need = cache + rows * new_tokens * 4
     have, where = device_memory()
     if need > have:
