@@ -113,6 +113,8 @@ def test_a_sharded_checkpoint_reads_as_the_single_file(tmp_path):
         (dict(attn_scale=0.5), "model.attn_scale=0.5"),
         (dict(window=4, use_bias=True), "model.use_bias=True"),
         (dict(window=4, qk_norm=True), "model.window=4: HF qwen3 has no such option"),
+        (dict(arch="encoder"), "model.arch=encoder"),
+        (dict(arch="encoder_decoder"), "model.arch=encoder_decoder"),
     ],
 )
 def test_export_of_a_variant_without_hf_equivalent_is_refused_in_one_line(kw, says, tmp_path):
