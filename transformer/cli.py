@@ -108,10 +108,12 @@ def train_main(argv: list[str] | None = None) -> int:
         return _preflight_main([("", cfg)], args.topology)
     if args.dry_run:
         from transformer.model.summary import summary_text
+        from transformer.objectives import row_lengths
 
         print(cfg.to_yaml().rstrip())
         print()
-        print(summary_text(cfg.model, cfg.data.seq_len))
+        T, S = row_lengths(cfg.data)  # an encoder-decoder's: target T, input S
+        print(summary_text(cfg.model, T) if S is None else summary_text(cfg.model, S, T))
         return 0
     _distributed(args)
     workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)

@@ -204,8 +204,9 @@ def mla_norm_params(cfg: ModelConfig) -> int:
     return cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
 
 
-def summary_text(cfg: ModelConfig, seq_len: int) -> str:
-    """What `--dry-run` prints about the model: its shape, parameters by component, FLOPs, KV cache."""
+def summary_text(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> str:
+    """What `--dry-run` prints about the model: its shape, parameters by component, FLOPs (of rows
+    of seq_len tokens; an encoder-decoder's of seq_len input and target_len target tokens), KV cache."""
     by_component = params_by_component(cfg)
     total = sum(by_component.values())
     windows = cfg.layer_windows
@@ -241,12 +242,12 @@ def summary_text(cfg: ModelConfig, seq_len: int) -> str:
             f"of d_ff {cfg.moe_d_ff} (+{cfg.n_shared_experts} shared), top-{cfg.top_k} {cfg.router} router, "
             f"{dispatch}; FLOPs and MFU count active parameters"
         )
-    per = (
-        "target token (forward+backward, input and target"
-        if cfg.arch == "encoder_decoder"
-        else "token (forward+backward,"
-    )
-    lines.append(f"FLOPs per {per} seq_len {seq_len}): {flops_per_token(cfg, seq_len):,.0f}")
+    flops = flops_per_token(cfg, seq_len, target_len)
+    if cfg.arch == "encoder_decoder":
+        rows = f"input {seq_len}, target {seq_len if target_len is None else target_len} tokens"
+        lines.append(f"FLOPs per target token (forward+backward, {rows}): {flops:,.0f}")
+    else:
+        lines.append(f"FLOPs per token (forward+backward, seq_len {seq_len}): {flops:,.0f}")
     return "\n".join(lines + _cache_lines(cfg))
 
 
