@@ -54,6 +54,9 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
         attn = specs["blocks"]["attn"]
         named = {name: str(attn[name].spec) for name in ("qkv", "out", "wk_up", "wv_up") if name in attn}
         named |= {"w_in": str(specs["blocks"]["ffn"]["w_in"].spec), "embed": str(specs["embed"].spec)}
+        if "encoder_blocks" in specs:  # an encoder-decoder: its encoder stack and cross-attention
+            named["encoder_qkv"] = str(specs["encoder_blocks"]["attn"]["qkv"].spec)
+            named["cross_qkv"] = str(specs["blocks"]["cross_attn"]["qkv"].spec)
         if "moe_blocks" in specs:  # a config with interleaved mixture-of-experts layers
             named["experts"] = str(specs["moe_blocks"]["ffn"]["w_in"].spec)
         results.append({"mesh": dict(mesh.shape), "losses": losses, "specs": named})

@@ -111,6 +111,26 @@ def test_mla_losses_identical_across_meshes(corpus, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["encoder", "encoder_decoder"])
+def test_other_families_train_to_the_same_losses_across_meshes(arch, corpus, tmp_path):
+    """An encoder (MLM) and an encoder-decoder (span corruption, its encoder stack and cross-attention
+    sharded by the same table) train alike on one device, data=4 and fsdp2 x tensor2."""
+    meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
+    config = tmp_path / "family.yaml"
+    config.write_text(f"base: {ROOT / 'configs' / 'default.yaml'}\nmodel:\n  arch: {arch}\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    worker = [str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes), str(config)]
+    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for r in results[1:]:
+        np.testing.assert_allclose(r["losses"], results[0]["losses"], rtol=1e-5, err_msg=str(r["mesh"]))
+    split = "P(None, 'fsdp', 'tensor', None, None)"  # layers, embed over fsdp, kv heads over tensor
+    kinds = ("qkv", "encoder_qkv", "cross_qkv") if arch == "encoder_decoder" else ("qkv",)
+    assert [results[2]["specs"][k] for k in kinds] == [split] * len(kinds)
+
+
+@pytest.mark.slow
 def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
     one, r1 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=1"))
     four, r4 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=4"))
