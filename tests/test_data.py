@@ -1005,6 +1005,10 @@ def test_recall_through_the_data_pipeline(tmp_path):
         ("builtin:recall:pairs=27", "pairs must be between 1 and 26"),
         ("builtin:stdlib:x", "takes no options"),
         ("builtin:seq2seq:max_len=x", "max_len must be an integer"),
+        ("builtin:seq2seq:task=rot13", "task must be one of reverse, sort, copy"),
+        ("builtin:seq2seq:min_len=5,max_len=3", "min_len <= max_len"),
+        ("builtin:seq2seq:alphabet=2,max_len=3", "too few"),
+        ("builtin:seq2seq:length=3", "unknown option 'length=3'"),
     ],
 )
 def test_bad_builtin_sources_are_config_errors(source, words):

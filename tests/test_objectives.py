@@ -9,7 +9,7 @@ import pytest
 
 from transformer import data as D
 from transformer import objectives as O
-from transformer.config import ConfigError, DataConfig
+from transformer.config import DataConfig
 from transformer.synthetic import Seq2seqTask
 from transformer.tokenizer import ByteTokenizer
 
@@ -201,21 +201,6 @@ def test_seq2seq_task_answers_and_splits(task):
     val_inputs, _ = t.pairs("val")
     assert len(val_inputs) == 200 and not set(val_inputs) & set(inputs)
     assert t.pairs("val") == (val_inputs, [answer(s) for s in val_inputs])  # a pure function of the fields
-
-
-@pytest.mark.parametrize(
-    "source, words",
-    [
-        ("builtin:seq2seq:task=rot13", "task must be one of reverse, sort, copy"),
-        ("builtin:seq2seq:min_len=5,max_len=3", "min_len <= max_len"),
-        ("builtin:seq2seq:alphabet=2,max_len=3", "too few"),
-        ("builtin:seq2seq:length=3", "unknown option 'length=3'"),
-    ],
-)
-def test_bad_seq2seq_options_are_config_errors(source, words):
-    with pytest.raises(ConfigError) as e:
-        DataConfig(source=source)
-    assert e.value.key == "source" and words in str(e.value), str(e.value)
 
 
 def expected_pair(text: str, target: str, seq_len: int, target_len: int) -> tuple[list[int], list[int]]:
