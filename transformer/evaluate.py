@@ -13,7 +13,7 @@ from transformer.config import SAFE_ON_RESUME, Config, ConfigError, config_chang
 from transformer.config_loader import apply_overrides, from_dict
 from transformer.data import Data, prepare
 from transformer.generate import SamplingConfig, fill_mask, generate, generate_seq2seq
-from transformer.objectives import Vocab, make_objective
+from transformer.objectives import Vocab, make_objective, row_tokens
 from transformer.tokenizer import TokenizerError
 from transformer.trainer import Trainer
 
@@ -141,7 +141,7 @@ def evaluate_params(
         "accuracy": result["val_accuracy"],
         "bits_per_byte": result.get("val_bits_per_byte"),
         # the rows' tokens (a row of each stream: the decoder's, and an encoder's)
-        "tokens": sum(len(d.val_window_ids) * sum(n or 0 for n in d.objective.lengths) for d in _sources(data)),
+        "tokens": sum(len(d.val_window_ids) * row_tokens(d.objective.lengths) for d in _sources(data)),
     }
     if data.parts:
         out["sources"] = per_source(cfg, data, result)

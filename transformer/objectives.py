@@ -470,3 +470,9 @@ def extra_ids(cfg: DataConfig) -> int:
 def row_lengths(cfg: DataConfig) -> tuple[int, int | None]:
     """(tokens per row of `inputs`, per encoder row or None) of `cfg`'s batches."""
     return _without_tokenizer(cfg).lengths
+
+
+def row_tokens(lengths: tuple[int, int | None]) -> int:
+    """The tokens a row of these `lengths` holds: the trained stream's and an encoder's."""
+    T, S = lengths
+    return T + (S or 0)

@@ -24,7 +24,7 @@ from transformer.accelerator import resolve
 from transformer.config import Config, ConfigError
 from transformer.errors import EXIT_USAGE, first_line
 from transformer.model.summary import count_params, flops_per_token
-from transformer.objectives import row_lengths
+from transformer.objectives import row_lengths, row_tokens
 from transformer.trainer import Trainer, TrainState, default_controls
 
 MEMORY_KNOBS = (
@@ -274,7 +274,7 @@ def work_per_step(cfg: Config) -> tuple[int, float]:
     T, S = row_lengths(cfg.data)
     B = cfg.train.batch_size
     per_token = flops_per_token(cfg.model, T) if S is None else flops_per_token(cfg.model, S, T)
-    return B * (T + (S or 0)), per_token * B * T
+    return B * row_tokens((T, S)), per_token * B * T
 
 
 def rows_text(cfg: Config) -> str:

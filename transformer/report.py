@@ -102,7 +102,9 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.config.train.batch_size * self.config.data.seq_len
+        from transformer.objectives import row_lengths, row_tokens
+
+        return self.config.train.batch_size * row_tokens(row_lengths(self.config.data))
 
     def count(self, *kinds: str) -> int:
         """How many events of these kinds the run recorded."""
