@@ -10,7 +10,8 @@ norm clipped to 1.0; float32. The vocabulary is the byte tokenizer's padded to 3
 framework computes; the padding rows are masked out of its softmax, not out of PyTorch's). Batches
 are random tokens. Each round times `--steps` steps of one, then of the other, alternating which goes
 first; the figure is the median step time over all rounds. The ratio is this framework's tokens/s
-over PyTorch's (1.0 = parity). Both use all the cores by default (`--threads` sets PyTorch's
+over PyTorch's (1.0 = parity). The framework runs `model.attention_impl=auto` (on a CPU the blocked
+attention of model/flash.py). Both use all the cores by default (`--threads` sets PyTorch's
 intra-op threads; on a machine loaded by other processes its OpenMP threads can collapse, so the
 load average is printed with the figures).
 """
@@ -115,7 +116,7 @@ class JaxRun:
             "model.use_bias=true", "model.tie_embeddings=true", "model.dtype=float32", f"data.seq_len={T}",
             f"train.batch_size={B}", "optim.name=adamw", f"optim.lr={LR}", f"optim.b1={BETAS[0]}",
             f"optim.b2={BETAS[1]}", f"optim.weight_decay={WEIGHT_DECAY}", f"optim.clip_norm={CLIP}",
-            "optim.schedule=constant", "optim.warmup_steps=0",
+            "optim.schedule=constant", "optim.warmup_steps=0", "model.attention_impl=auto",
         ]  # fmt: skip
         cfg = load_config(None, overrides).with_vocab(259)
         self.trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))

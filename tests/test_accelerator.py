@@ -24,7 +24,10 @@ def _cfg(document_mask=False, **model) -> Config:
     [
         ("gpu", _cfg(), "cudnn", "causal mask"),
         ("gpu", _cfg(window=8), "cudnn", "sliding window 8"),
-        ("cpu", _cfg(), "xla", "this is cpu"),
+        ("cpu", _cfg(), "blocked", "measured faster than xla"),
+        ("cpu", _cfg(window=8), "blocked", "static causal mask"),
+        ("cpu", _cfg(position="alibi"), "xla", "ALiBi"),
+        ("cpu", _cfg(document_mask=True), "xla", "document masks"),
         ("tpu", _cfg(), "xla", "this is tpu"),
         ("gpu", _cfg(dtype="float32"), "xla", "model.dtype"),
         ("gpu", _cfg(head_dim=160), "xla", "head_dim"),
@@ -45,13 +48,13 @@ def test_auto_picks_cudnn_only_where_its_masks_and_shapes_allow(platform, cfg, i
     assert accelerator.resolve(fixed, platform) is fixed
 
 
-def test_auto_falls_back_on_cpu_and_says_so(tmp_path):
-    """On CPU auto trains exactly as xla does (it is xla), passes the platform check cudnn fails,
-    and the start-up line names the pick."""
+def test_auto_on_cpu_runs_blocked_and_says_so(tmp_path):
+    """On CPU auto trains exactly as blocked does (it is blocked), passes the platform check cudnn
+    fails, and the start-up line names the pick."""
     corpus = write_corpus(tmp_path / "docs.jsonl", seed=0, n=40)
     base = tiny_run_overrides(corpus, tmp_path / "cache", "model.n_layers=1", "train.steps=2", "model.n_kv_heads=4")
     runs = {}
-    for impl in ("auto", "xla"):
+    for impl in ("auto", "blocked"):
         cfg = load_config(None, [*base, f"model.attention_impl={impl}"])
         sharding.check_platform(cfg)
         data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
@@ -59,8 +62,8 @@ def test_auto_falls_back_on_cpu_and_says_so(tmp_path):
         lines: list[str] = []
         result = train(cfg, data, None, sharding.make_mesh(cfg, jax.devices()[:1]), log=lines.append)
         runs[impl] = (result, lines)
-    assert any("attention xla (auto: cuDNN attention needs a GPU, this is cpu)" in line for line in runs["auto"][1])
-    for a, b in zip(jax.tree.leaves(runs["auto"][0].params), jax.tree.leaves(runs["xla"][0].params)):
+    assert any("attention blocked (auto: CPU, static causal mask" in line for line in runs["auto"][1])
+    for a, b in zip(jax.tree.leaves(runs["auto"][0].params), jax.tree.leaves(runs["blocked"][0].params)):
         np.testing.assert_array_equal(a, b)
 
 

@@ -51,7 +51,7 @@ def test_causal_by_gradient_einsum(variant):
     assert np.all(dep[np.triu_indices(T, k=1)] == 0.0)
 
 
-@pytest.mark.parametrize("impl", ["xla", "einsum"])
+@pytest.mark.parametrize("impl", ["xla", "einsum", "blocked"])
 @pytest.mark.parametrize("window", [1, 3])
 def test_sliding_window_reach(impl, window):
     """One layer: out[t] depends on exactly x[t-window+1 .. t]."""
@@ -116,7 +116,7 @@ def run_attention(module, x_BxTxD, window=None, segment_ids=None):
     return y_BxTxD
 
 
-@pytest.mark.parametrize("impl", ["xla", "einsum"])
+@pytest.mark.parametrize("impl", ["xla", "einsum", "blocked"])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("n_kv_heads", [8, 4, 2, 1])
 def test_gqa_matches_reference(n_kv_heads, window, impl):

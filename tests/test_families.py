@@ -231,6 +231,27 @@ def test_einsum_equals_xla_for_bidirectional_and_cross_attention(arch):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["encoder", "encoder_decoder"])
+def test_blocked_equals_einsum_for_bidirectional_and_cross_attention(arch):
+    """The blocked kernel (a CPU's pick under auto) with the two-sided window of an encoder, and over
+    an encoder output of another length than the target (cross-attention), values and gradients."""
+    kw = dict(arch=arch, n_kv_heads=2, window=3)
+    blocked, einsum = build(tiny(attention_impl="blocked", **kw)), build(tiny(attention_impl="einsum", **kw))
+    tokens = jax.random.randint(jax.random.key(0), (2, S), 0, 61)
+    extra = {}
+    if arch == "encoder_decoder":
+        extra = dict(encoder_tokens_BxS=jax.random.randint(jax.random.key(1), (2, S + 3), 0, 61))
+
+    def loss_and_grads(model):
+        graphdef, params = nnx.split(model)
+        return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(tokens, **extra))))(params)
+
+    (a, ga), (b, gb) = loss_and_grads(blocked), loss_and_grads(einsum)
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
 def test_the_encoder_input_goes_exactly_to_an_encoder_decoder_and_encoders_do_not_decode():
     tokens = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="encoder_tokens_BxS"):

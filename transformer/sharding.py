@@ -139,7 +139,7 @@ def _attention_failure(impl: str, dtype: str) -> str | None:
     x = jax.ShapeDtypeStruct((1, 4, 1, 8), jnp.dtype(dtype))
 
     def loss(q):
-        if impl == "einsum":
+        if impl in ("einsum", "blocked"):  # blocked: the same einsums, a block at a time
             out = jnp.einsum("BTNH,BSNH->BNTS", q, q, preferred_element_type=jnp.float32)
         else:
             out = jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation=impl)
@@ -178,7 +178,7 @@ def check_attention_support(m: ModelConfig) -> None:
 def training_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[str, int]]:
     """Lower bounds of what one device holds while training, by part: {part: (the key that sizes
     it, bytes)}. Parameters, gradients and optimiser moments; the largest activations, which XLA
-    materialises whole: one layer's attention scores (not with cudnn, which never forms them) and
+    materialises whole: one layer's attention scores (not with cudnn or blocked, which never form them) and
     the float32 logits."""
     m, train = cfg.model, cfg.train
     # dividing by the expert axis too keeps it a lower bound: only the experts are split over it
@@ -187,7 +187,9 @@ def training_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[str, i
     copies = 2 + (OPTIMIZER_COPIES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.b1 else 0)
     rows = max(1, train.batch_size // train.grad_accum // (sizes["data"] * sizes["fsdp"]))
     T = cfg.data.seq_len
-    scores = rows * max(1, m.n_heads // sizes["tensor"]) * T * T * 4 if m.attention_impl != "cudnn" else 0
+    scores = (
+        rows * max(1, m.n_heads // sizes["tensor"]) * T * T * 4 if m.attention_impl not in ("cudnn", "blocked") else 0
+    )
     return {
         "parameters, gradients and optimiser state": ("model.d_model", param_bytes * copies),
         f"attention scores ({rows} x {m.n_heads} heads x {T} x {T} x 4 bytes)": ("data.seq_len", scores),

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import ModelConfig
+from transformer.model.flash import Mask, blocked_attention
 from transformer.model.layers import InitScales, Norm, const_param, dropout, normal_param
 from transformer.model.positions import positions_for
 
@@ -239,6 +240,11 @@ class Attention(nnx.Module):
             )
             return out_BxTxKxGxH.reshape(B, T, K * G, -1)  # values may be narrower than queries (MLA)
         static_window = window if keys.static and not isinstance(window, jax.Array) else None
+        if cfg.attention_impl == "blocked" and keys.static and bias_BxNxTxS is None:
+            out_BxTxKxGxH = blocked_attention(
+                q_BxTxKxGxH, keys.k_BxSxKxH, keys.v_BxSxKxH, cfg.scale, Mask(causal=self.causal, window=static_window)
+            )
+            return out_BxTxKxGxH.reshape(B, T, K * G, -1)
         return jax.nn.dot_product_attention(
             q_BxTxKxGxH.reshape(B, T, K * G, H),
             keys.k_BxSxKxH,
@@ -248,7 +254,8 @@ class Attention(nnx.Module):
             scale=cfg.scale,
             is_causal=keys.static and self.causal,
             local_window_size=None if static_window is None else self.window_extent(static_window),
-            implementation=cfg.attention_impl,  # type: ignore[arg-type]  # never auto: see accelerator.resolve
+            # never auto (see accelerator.resolve); blocked falls back to xla for explicit masks and biases
+            implementation="xla" if cfg.attention_impl == "blocked" else cfg.attention_impl,  # type: ignore[arg-type]
         )
 
     def window_extent(self, window: int) -> tuple[int, int]:
