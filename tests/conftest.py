@@ -60,6 +60,17 @@ def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
+@pytest.fixture(scope="session")
+def private_hf_cache(tmp_path_factory):
+    """Hugging Face datasets' cache in a temporary directory, its progress bars off (data tests)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf-datasets"))
+        yield
+
+
 @pytest.fixture
 def key():
     return jax.random.key(0)

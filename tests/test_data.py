@@ -24,14 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # --- helpers -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_hf_cache(tmp_path_factory):
-    import datasets
-
-    datasets.disable_progress_bars()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf-datasets"))
-        yield
+pytestmark = pytest.mark.usefixtures("private_hf_cache")
 
 
 def restart():

@@ -19,14 +19,7 @@ SPAN_KEYS = dict(noise_density=0.15, mean_span_length=3.0)
 RECALL = "builtin:recall:pairs=4,distance=16,train_docs=300,val_docs=40"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_hf_cache(tmp_path_factory):
-    import datasets
-
-    datasets.disable_progress_bars()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf-datasets"))
-        yield
+pytestmark = pytest.mark.usefixtures("private_hf_cache")
 
 
 def prepare(tmp_path: Path, source: str = RECALL, batch_size: int = 4, seed: int = 0, **kw) -> D.Data:

@@ -267,13 +267,13 @@ def fill_masks(workdir: Path, texts: list[str], top_k: int, step: int | None = N
     best = fill_mask(model, encoded, vocab.mask_id, vocab.tokenizer.pad_id, top_k)
     out = []
     for text, ids, per_mask in zip(texts, encoded, best):
-        filled, choices = iter([b[0] for b in per_mask]), iter(per_mask)
-        ids = [next(filled) if i == vocab.mask_id else i for i in ids]
+        best_first = iter([top[0] for top in per_mask])  # the masks in order, each filled by its best
+        ids = [next(best_first) if i == vocab.mask_id else i for i in ids]
         out.append(
             {
                 "text": text,
                 "filled": vocab.decode(ids),
-                "top": [[vocab.decode([c]) for c in next(choices)] for _ in per_mask],
+                "top": [[vocab.decode([c]) for c in top] for top in per_mask],
             }
         )
     return out
