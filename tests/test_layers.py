@@ -10,7 +10,7 @@ from conftest import build, tiny
 from flax import nnx
 
 from transformer.model import Block
-from transformer.model.layers import FFN, Norm, gelu_tanh
+from transformer.model.layers import FFN, Norm, gelu_tanh, normalize
 from transformer.model.positions import sinusoidal
 
 
@@ -29,6 +29,41 @@ def test_norm_keeps_dtype_but_computes_in_float32():
     y = Norm(tiny(d_model=64, norm="layernorm"))(x)
     assert y.dtype == jnp.bfloat16
     assert np.all(np.isfinite(np.asarray(y, np.float32)))
+
+
+def plain_norm(x, scale, bias, centre, eps):
+    """The norm as autodiff sees it: the formula `normalize` writes the derivative of."""
+    y = x.astype(jnp.float32)
+    if centre:
+        y = y - jnp.mean(y, axis=-1, keepdims=True)
+    y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + eps) * scale
+    return (y if bias is None else y + bias).astype(x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "layernorm_without_bias"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_derivative_is_autodiffs(kind, dtype):
+    """The hand-written VJP (kept for speed: the layer scan stacks fewer [B, T, D] intermediates)
+    gives autodiff's gradients for the input, the gain and the bias, to float rounding, and the
+    value bit for bit; over leading axes of any rank (the q/k norms see [B, T, N, H])."""
+    k = jax.random.split(jax.random.key(0), 4)
+    x = (2.0 + 3.0 * jax.random.normal(k[0], (3, 5, 4, 32))).astype(dtype)
+    scale = 1.0 + 0.3 * jax.random.normal(k[1], (32,))
+    bias = None if kind != "layernorm" else 0.1 * jax.random.normal(k[2], (32,))
+    g = jax.random.normal(k[3], x.shape).astype(dtype)
+    centre, eps = kind != "rmsnorm", 1e-5
+
+    def pullback(f):
+        y, vjp = jax.vjp(lambda x, s, b: f(x, s, b, centre, eps), x, scale, bias)
+        return y, vjp(g)
+
+    (y, grads), (want_y, want_grads) = pullback(normalize), pullback(plain_norm)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want_y, np.float32))
+    assert grads[0].dtype == dtype and (bias is None) == (grads[2] is None)
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def block_output(norm_position, x, norm="layernorm", **kw):

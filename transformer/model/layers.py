@@ -95,14 +95,51 @@ class Norm(nnx.Module):
         self.bias = const_param(0.0, (dim,), (axis_name,), cfg) if self.kind == "layernorm" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x.astype(jnp.float32)
-        if self.kind == "layernorm":
-            y = y - jnp.mean(y, axis=-1, keepdims=True)
-        y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + self.eps)
-        y = y * self.scale[...].astype(jnp.float32)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(x.dtype)
+        bias = None if self.bias is None else self.bias[...].astype(jnp.float32)
+        return normalize(x, self.scale[...].astype(jnp.float32), bias, self.kind == "layernorm", self.eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def normalize(x: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool, eps: float) -> jax.Array:
+    """(x - mean) / rms * scale + bias over the last axis in float32 (LayerNorm; RMSNorm without
+    `centre` and bias), with its derivative written out: autodiff keeps several [.., D] float32
+    intermediates per norm for the backward pass, each stacked by the layer scan; this keeps the
+    input and two [.., 1] statistics. The value is bit for bit the plain formula's."""
+    return _normalize_fwd(x, scale, bias, centre, eps)[0]
+
+
+def _normalize_fwd(
+    x: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool, eps: float
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    y = x.astype(jnp.float32)
+    mean = jnp.mean(y, axis=-1, keepdims=True) if centre else jnp.zeros((), jnp.float32)
+    if centre:
+        y = y - mean
+    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + eps)
+    y = y * inv_rms * scale
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype), (x, scale, bias, mean, inv_rms)
+
+
+def _normalize_bwd(
+    centre: bool, eps: float, residuals: tuple[jax.Array, ...], g: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    x, scale, bias, mean, inv_rms = residuals
+    x_hat = (x.astype(jnp.float32) - mean) * inv_rms
+    g = g.astype(jnp.float32)
+    leading = tuple(range(g.ndim - 1))
+    g_hat = g * scale
+    # d/dx of x_hat: inv_rms * (g_hat - mean(g_hat) - x_hat * mean(g_hat * x_hat)), without the
+    # mean(g_hat) term for RMSNorm (it does not centre)
+    dx = g_hat - x_hat * jnp.mean(g_hat * x_hat, axis=-1, keepdims=True)
+    if centre:
+        dx = dx - jnp.mean(g_hat, axis=-1, keepdims=True)
+    d_bias = None if bias is None else jnp.sum(g, axis=leading)
+    return (dx * inv_rms).astype(x.dtype), jnp.sum(g * x_hat, axis=leading), d_bias
+
+
+normalize.defvjp(_normalize_fwd, _normalize_bwd)
 
 
 @jax.custom_jvp
