@@ -108,9 +108,13 @@ def normalize(x: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bo
     return _normalize_fwd(x, scale, bias, centre, eps)[0]
 
 
+# what the backward pass keeps: the input, the gain, the bias (or None), the mean and 1/rms
+_NormResiduals = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array, jax.Array]
+
+
 def _normalize_fwd(
     x: jax.Array, scale: jax.Array, bias: jax.Array | None, centre: bool, eps: float
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, _NormResiduals]:
     y = x.astype(jnp.float32)
     mean = jnp.mean(y, axis=-1, keepdims=True) if centre else jnp.zeros((), jnp.float32)
     if centre:
@@ -123,7 +127,7 @@ def _normalize_fwd(
 
 
 def _normalize_bwd(
-    centre: bool, eps: float, residuals: tuple[jax.Array, ...], g: jax.Array
+    centre: bool, eps: float, residuals: _NormResiduals, g: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     x, scale, bias, mean, inv_rms = residuals
     x_hat = (x.astype(jnp.float32) - mean) * inv_rms
