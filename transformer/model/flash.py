@@ -6,10 +6,18 @@ key range is cut statically to the keys a causal and/or windowed mask lets it se
 masked part of the matrix is never computed (half of it for a causal mask, nearly all of it for a
 narrow window). The backward pass (a custom VJP) recomputes each block's probabilities from the
 saved log-sum-exp instead of keeping them, as flash attention does: memory stays O(T) per head
-beyond the block at hand, at the speed of plain autodiff through the blocks (measured equal on
-XLA:CPU, which keeps the probabilities of every block).
+beyond the block at hand.
 
-Layout is the GQA one of attention.py: q [B, T, K, G, H], k and v [B, S, K, H]; query head n = k*G + g.
+Layout. The interface is the GQA one of attention.py: q [B, T, K, G, H], k and v [B, S, K, H];
+query head n = k*G + g. Inside, everything is head-major, transposed once on the way in and once
+on the way out: queries [B, K, G, T, H], values [B, K, S, H], and keys [B, K, H, S] (and, in the
+backward pass, also [B, K, S, H]). Then every block's product is a batched matmul over (B, K) whose
+operands are already in the row-major form XLA:CPU's dot wants, and a block's keys are a slice of
+contiguous rows; laid out as the interface is, XLA transposed each block's keys again, a cost that
+grows with the square of the length. The key and value gradients are accumulated transposed,
+[B, K, H, S], for the same reason (their blocks' products then contract over the block's queries
+without transposing the [T, S] probabilities). Measured on XLA:CPU: benchmarks/README.md.
+
 Masks: causal (key s <= query t) or bidirectional, optionally a window (causal: t - s < window;
 bidirectional: |t - s| < window). Explicit masks and biases (documents, ALiBi) are not handled here.
 """
@@ -62,10 +70,10 @@ def blocks(T: int, S: int, mask: Mask, block: int) -> list[tuple[int, int, int, 
     return [(q0, min(T, q0 + block), *mask.key_range(q0, min(T, q0 + block), S)) for q0 in range(0, T, block)]
 
 
-def _logits(q_BxTxKxGxH, k_BxSxKxH, scale, mask: Mask, q0, q1, lo, hi):
+def _logits(q_BxKxGxTxH, k_BxKxHxS, scale, mask: Mask, q0, q1, lo, hi):
     """Scaled, masked float32 logits of one block: [B, K, G, q1-q0, hi-lo]."""
     scores = jnp.einsum(
-        "BTKGH,BSKH->BKGTS", q_BxTxKxGxH[:, q0:q1], k_BxSxKxH[:, lo:hi], preferred_element_type=jnp.float32
+        "BKGTH,BKHS->BKGTS", q_BxKxGxTxH[:, :, :, q0:q1], k_BxKxHxS[..., lo:hi], preferred_element_type=jnp.float32
     )
     logits_BxKxGxTxS = scores * scale
     allowed_TxS = mask.allowed(q0, q1, lo, hi)
@@ -74,57 +82,66 @@ def _logits(q_BxTxKxGxH, k_BxSxKxH, scale, mask: Mask, q0, q1, lo, hi):
     return logits_BxKxGxTxS
 
 
-def _forward(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale, mask: Mask, block: int):
-    """(out [B, T, K, G, H], log-sum-exp of each query's logits [B, K, G, T])."""
+def _head_major(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH):
+    """The inputs in the layout the blocks compute in: q [B, K, G, T, H], k [B, K, H, S], v [B, K, S, H]."""
+    return q_BxTxKxGxH.transpose(0, 2, 3, 1, 4), k_BxSxKxH.transpose(0, 2, 3, 1), v_BxSxKxH.transpose(0, 2, 1, 3)
+
+
+def _forward(q_BxKxGxTxH, k_BxKxHxS, v_BxKxSxH, scale, mask: Mask, block: int):
+    """(out [B, K, G, T, H], log-sum-exp of each query's logits [B, K, G, T])."""
     outs, lses = [], []
-    for q0, q1, lo, hi in blocks(q_BxTxKxGxH.shape[1], k_BxSxKxH.shape[1], mask, block):
-        logits_BxKxGxTxS = _logits(q_BxTxKxGxH, k_BxSxKxH, scale, mask, q0, q1, lo, hi)
+    for q0, q1, lo, hi in blocks(q_BxKxGxTxH.shape[3], k_BxKxHxS.shape[3], mask, block):
+        logits_BxKxGxTxS = _logits(q_BxKxGxTxH, k_BxKxHxS, scale, mask, q0, q1, lo, hi)
         max_BxKxGxT = jnp.max(logits_BxKxGxTxS, axis=-1)
         e_BxKxGxTxS = jnp.exp(logits_BxKxGxTxS - max_BxKxGxT[..., None])
         sum_BxKxGxT = jnp.sum(e_BxKxGxTxS, axis=-1)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", e_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH[:, lo:hi])
-        outs.append(out / jnp.moveaxis(sum_BxKxGxT, -1, 1)[..., None].astype(out.dtype))
+        out = jnp.einsum("BKGTS,BKSH->BKGTH", e_BxKxGxTxS.astype(v_BxKxSxH.dtype), v_BxKxSxH[:, :, lo:hi])
+        outs.append(out / sum_BxKxGxT[..., None].astype(out.dtype))
         lses.append(max_BxKxGxT + jnp.log(sum_BxKxGxT))
-    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=-1)
+    return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=-1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def blocked_attention(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale: float, mask: Mask, block: int = BLOCK):
     """softmax(q k^T * scale, masked by `mask`) v per query head: out [B, T, K, G, H]."""
-    return _forward(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale, mask, block)[0]
+    return _fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale, mask, block)[0]
 
 
 def _fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale, mask, block):
-    out_BxTxKxGxH, lse_BxKxGxT = _forward(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale, mask, block)
-    return out_BxTxKxGxH, (q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, out_BxTxKxGxH, lse_BxKxGxT)
+    q_BxKxGxTxH, k_BxKxHxS, v_BxKxSxH = _head_major(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH)
+    out_BxKxGxTxH, lse_BxKxGxT = _forward(q_BxKxGxTxH, k_BxKxHxS, v_BxKxSxH, scale, mask, block)
+    residuals = (q_BxKxGxTxH, k_BxKxHxS, v_BxKxSxH, out_BxKxGxTxH, lse_BxKxGxT)
+    return out_BxKxGxTxH.transpose(0, 3, 1, 2, 4), residuals
 
 
 def _bwd(scale, mask, block, residuals, dout_BxTxKxGxH):
     """Flash attention's backward: each block's probabilities recomputed from the log-sum-exp."""
-    q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, out_BxTxKxGxH, lse_BxKxGxT = residuals
+    q_BxKxGxTxH, k_BxKxHxS, v_BxKxSxH, out_BxKxGxTxH, lse_BxKxGxT = residuals
+    dout_BxKxGxTxH = dout_BxTxKxGxH.transpose(0, 2, 3, 1, 4)
+    k_BxKxSxH = k_BxKxHxS.transpose(0, 1, 3, 2).astype(jnp.float32)
     # rowsum(dP * P) = rowsum(dout * out): the softmax's correction term, one number per query.
-    delta_BxKxGxT = jnp.einsum("BTKGH,BTKGH->BKGT", dout_BxTxKxGxH, out_BxTxKxGxH, preferred_element_type=jnp.float32)
-    dk_BxSxKxH = jnp.zeros(k_BxSxKxH.shape, jnp.float32)
-    dv_BxSxKxH = jnp.zeros(v_BxSxKxH.shape, jnp.float32)
+    delta_BxKxGxT = jnp.einsum("BKGTH,BKGTH->BKGT", dout_BxKxGxTxH, out_BxKxGxTxH, preferred_element_type=jnp.float32)
+    dk_BxKxHxS = jnp.zeros(k_BxKxHxS.shape, jnp.float32)
+    dv_BxKxHxS = jnp.zeros(k_BxKxHxS.shape[:2] + (v_BxKxSxH.shape[3], k_BxKxHxS.shape[3]), jnp.float32)
     dqs = []
-    for q0, q1, lo, hi in blocks(q_BxTxKxGxH.shape[1], k_BxSxKxH.shape[1], mask, block):
-        logits_BxKxGxTxS = _logits(q_BxTxKxGxH, k_BxSxKxH, scale, mask, q0, q1, lo, hi)
+    for q0, q1, lo, hi in blocks(q_BxKxGxTxH.shape[3], k_BxKxHxS.shape[3], mask, block):
+        logits_BxKxGxTxS = _logits(q_BxKxGxTxH, k_BxKxHxS, scale, mask, q0, q1, lo, hi)
         p_BxKxGxTxS = jnp.exp(logits_BxKxGxTxS - lse_BxKxGxT[..., q0:q1, None])
-        dout = dout_BxTxKxGxH[:, q0:q1]
-        dv_BxSxKxH = dv_BxSxKxH.at[:, lo:hi].add(
-            jnp.einsum("BKGTS,BTKGH->BSKH", p_BxKxGxTxS, dout, preferred_element_type=jnp.float32)
+        dout = dout_BxKxGxTxH[:, :, :, q0:q1]
+        dv_BxKxHxS = dv_BxKxHxS.at[..., lo:hi].add(
+            jnp.einsum("BKGTH,BKGTS->BKHS", dout, p_BxKxGxTxS, preferred_element_type=jnp.float32)
         )
-        dp_BxKxGxTxS = jnp.einsum("BTKGH,BSKH->BKGTS", dout, v_BxSxKxH[:, lo:hi], preferred_element_type=jnp.float32)
+        dp_BxKxGxTxS = jnp.einsum("BKGTH,BKSH->BKGTS", dout, v_BxKxSxH[:, :, lo:hi], preferred_element_type=jnp.float32)
         ds_BxKxGxTxS = p_BxKxGxTxS * (dp_BxKxGxTxS - delta_BxKxGxT[..., q0:q1, None]) * scale
-        dqs.append(jnp.einsum("BKGTS,BSKH->BTKGH", ds_BxKxGxTxS, k_BxSxKxH[:, lo:hi].astype(jnp.float32)))
-        dk_BxSxKxH = dk_BxSxKxH.at[:, lo:hi].add(
-            jnp.einsum("BKGTS,BTKGH->BSKH", ds_BxKxGxTxS, q_BxTxKxGxH[:, q0:q1].astype(jnp.float32))
+        dqs.append(jnp.einsum("BKGTS,BKSH->BKGTH", ds_BxKxGxTxS, k_BxKxSxH[:, :, lo:hi]))
+        dk_BxKxHxS = dk_BxKxHxS.at[..., lo:hi].add(
+            jnp.einsum("BKGTH,BKGTS->BKHS", q_BxKxGxTxH[:, :, :, q0:q1].astype(jnp.float32), ds_BxKxGxTxS)
         )
-    dq_BxTxKxGxH = jnp.concatenate(dqs, axis=1)
+    dq_BxTxKxGxH = jnp.concatenate(dqs, axis=3).transpose(0, 3, 1, 2, 4)
     return (
-        dq_BxTxKxGxH.astype(q_BxTxKxGxH.dtype),
-        dk_BxSxKxH.astype(k_BxSxKxH.dtype),
-        dv_BxSxKxH.astype(v_BxSxKxH.dtype),
+        dq_BxTxKxGxH.astype(q_BxKxGxTxH.dtype),
+        dk_BxKxHxS.transpose(0, 3, 1, 2).astype(k_BxKxHxS.dtype),
+        dv_BxKxHxS.transpose(0, 3, 1, 2).astype(v_BxKxSxH.dtype),
     )
 
 
