@@ -10,10 +10,12 @@ norm clipped to 1.0; float32. The vocabulary is the byte tokenizer's padded to 3
 framework computes; the padding rows are masked out of its softmax, not out of PyTorch's). Batches
 are random tokens. Each round times `--steps` steps of one, then of the other, alternating which goes
 first; the figure is the median step time over all rounds. The ratio is this framework's tokens/s
-over PyTorch's (1.0 = parity). The framework runs `model.attention_impl=auto` (on a CPU the blocked
-attention of model/flash.py). Both use all the cores by default (`--threads` sets PyTorch's
-intra-op threads; on a machine loaded by other processes its OpenMP threads can collapse, so the
-load average is printed with the figures).
+over PyTorch's (1.0 = parity); MFU is each side's training FLOPs (the framework's model summary,
+the same model for both) per second over the float32 matmul peak measured at start-up. The
+framework runs `model.attention_impl=auto` (on a CPU the blocked attention of model/flash.py) and
+its default `model.scan_unroll` (on a CPU the whole stack unrolled). Both use all the cores by
+default (`--threads` sets PyTorch's intra-op threads; on a machine loaded by other processes its
+OpenMP threads can collapse, so the load average is printed with the figures).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer import sharding
+from transformer import preflight, sharding
 from transformer.config_loader import load_config
+from transformer.metrics import measure_cpu_matmul_peak
 from transformer.trainer import Trainer, default_controls
 
 try:
@@ -137,8 +140,9 @@ def timed(run, steps: int) -> list[float]:
     return times
 
 
-def compare(name: str, rounds: int, steps: int) -> tuple[float, float]:
-    """(median step seconds of this framework, of PyTorch) on one shape, interleaved."""
+def compare(name: str, rounds: int, steps: int) -> tuple[float, float, float]:
+    """(median step seconds of this framework, of PyTorch, the model's FLOPs per step) on one
+    shape, interleaved."""
     shape = SHAPES[name]
     rows = np.random.default_rng(0).integers(0, 259, (shape[4], shape[3] + 1)).astype(np.int32)
     runs = {"jax": JaxRun(shape, rows), "torch": TorchRun(shape, rows)}
@@ -149,7 +153,8 @@ def compare(name: str, rounds: int, steps: int) -> tuple[float, float]:
         order = ["jax", "torch"] if r % 2 == 0 else ["torch", "jax"]
         for key in order:
             times[key] += timed(runs[key], steps)
-    return statistics.median(times["jax"]), statistics.median(times["torch"])
+    flops = preflight.work_per_step(runs["jax"].trainer.cfg)[1]
+    return statistics.median(times["jax"]), statistics.median(times["torch"]), flops
 
 
 def main() -> None:
@@ -160,18 +165,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="PyTorch's intra-op threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    peak = measure_cpu_matmul_peak()
     print(
         f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} ({args.threads} threads), "
-        f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}"
+        f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
+        f"float32 matmul peak {peak / 1e9:.0f} GFLOP/s (measured, 512x512 in JAX)"
     )
-    print(f"{'shape':<8} {'L/D/heads/T/B':<18} {'jax tok/s':>10} {'torch tok/s':>12} {'ratio':>6}")
+    print(
+        f"{'shape':<8} {'L/D/heads/T/B':<18} {'jax tok/s':>10} {'torch tok/s':>12} {'ratio':>6} {'jax MFU':>8} {'torch MFU':>10}"
+    )
     for name in args.shapes:
         layers, d, heads, T, B = SHAPES[name]
-        jax_s, torch_s = compare(name, args.rounds, args.steps)
+        jax_s, torch_s, flops = compare(name, args.rounds, args.steps)
         tokens = B * T
         ratio = torch_s / jax_s if jax_s > 0 else math.nan
         print(
-            f"{name:<8} {f'{layers}/{d}/{heads}/{T}/{B}':<18} {tokens / jax_s:>10,.0f} {tokens / torch_s:>12,.0f} {ratio:>5.2f}x"
+            f"{name:<8} {f'{layers}/{d}/{heads}/{T}/{B}':<18} {tokens / jax_s:>10,.0f} {tokens / torch_s:>12,.0f} "
+            f"{ratio:>5.2f}x {flops / jax_s / peak:>8.1%} {flops / torch_s / peak:>10.1%}"
         )
 
 

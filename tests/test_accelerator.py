@@ -45,8 +45,25 @@ def test_auto_picks_cudnn_only_where_its_masks_and_shapes_allow(platform, cfg, i
     picked, reason = accelerator.choose_attention(cfg, platform)
     assert (picked, why in reason) == (impl, True), reason
     assert accelerator.resolve(cfg, platform).model.attention_impl == impl
-    fixed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
+    fixed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl, scan_unroll=1))
     assert accelerator.resolve(fixed, platform) is fixed
+
+
+@pytest.mark.parametrize(
+    ("platform", "model", "unroll"),
+    [
+        ("cpu", dict(n_layers=6), 6),
+        ("cpu", dict(n_layers=2, arch="encoder_decoder", n_encoder_layers=5), 5),
+        ("gpu", dict(n_layers=6), 1),
+        ("tpu", dict(n_layers=6), 1),
+        ("cpu", dict(n_layers=6, remat="full"), 1),  # unrolled, remat would save no memory
+        ("cpu", dict(n_layers=6, scan_unroll=2), 2),  # a value the config sets is kept
+    ],
+)
+def test_scan_unroll_null_unrolls_the_stack_on_a_cpu_only(platform, model, unroll):
+    cfg = Config(model=ModelConfig(**{"attention_impl": "xla", **model}))
+    assert accelerator.resolve(cfg, platform).model.scan_unroll == unroll
+    assert accelerator.resolve(cfg, platform).model.attention_impl == "xla"
 
 
 def test_auto_on_cpu_runs_blocked_and_says_so(tmp_path):

@@ -135,7 +135,9 @@ def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
     one, r1 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=1"))
     four, r4 = run_tiny(tiny_run(corpus, tmp_path, "train.grad_accum=4"))
     np.testing.assert_allclose(four, one, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), r1.params, r4.params)
+    # Adam divides by the gradient's running RMS, so where a gradient is near zero a rounding-level
+    # difference (the order of the additions) moves a parameter by up to ~2e-6 after the run
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-6), r1.params, r4.params)
 
 
 @pytest.mark.slow

@@ -29,10 +29,12 @@ def with_config(model, cfg):
     [dict(), dict(window=3, attention_pattern=("local", "global"), n_layers=3), dict(position="alibi", n_kv_heads=1)],
     ids=["default", "pattern", "alibi-mqa"],
 )
-def test_scan_equals_unrolled(extra):
-    cfg = tiny(**extra)
+@pytest.mark.parametrize("unroll", [dict(scan_layers=False), dict(scan_unroll=2), dict(scan_unroll=8)])
+def test_scan_equals_unrolled(extra, unroll):
+    """In Python, or by the scan 2 layers an iteration (3 layers: a remainder) or all at once."""
+    cfg = tiny(**extra, scan_unroll=1)
     scanned = build(cfg)
-    unrolled = with_config(scanned, dataclasses.replace(cfg, scan_layers=False))
+    unrolled = with_config(scanned, dataclasses.replace(cfg, **unroll))
     tokens = tokens_for(cfg)
     np.testing.assert_allclose(scanned(tokens), unrolled(tokens), atol=1e-5, rtol=1e-5)
 

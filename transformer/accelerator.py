@@ -1,5 +1,6 @@
 """Choices that depend on the accelerator, made in one place: which attention implementation
-`model.attention_impl: auto` runs, and the XLA flags a GPU run gets.
+`model.attention_impl: auto` runs, how many layers each iteration of the layer scan runs
+(`model.scan_unroll: null`), and the XLA flags a GPU run gets.
 
 The config a run saves keeps `auto` (it means the same thing on every machine); the model is built
 from `resolve(cfg)`, and the run's start-up line says which implementation was picked and why.
@@ -98,14 +99,27 @@ def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
     return "cudnn", f"GPU, {m.dtype}, causal mask{window}"
 
 
+def choose_unroll(cfg: Config, platform: str) -> int:
+    """Layers per iteration of the layer scan that `model.scan_unroll: null` runs on `platform`: the
+    whole stack on a CPU, where XLA's scan copies every layer's saved activations into a zero-filled
+    stack and back (measured ~10% of the step at 6 layers, benchmarks/README.md; the compile takes
+    ~2x at 32 layers); one layer elsewhere (compile time flat in depth), and wherever `model.remat`
+    is on: unrolled, XLA:CPU keeps the activations remat was asked to drop (measured: no memory saved)."""
+    m = cfg.model
+    return max(m.n_layers, m.n_encoder_layers or 0) if platform == "cpu" and m.remat == "none" else 1
+
+
 def resolve(cfg: Config, platform: str | None = None) -> Config:
-    """`cfg` with `model.attention_impl: auto` replaced by `choose_attention`'s pick for `platform`
-    (default: JAX's backend); any other config as it is."""
-    if cfg.model.attention_impl != "auto":
+    """`cfg` with what it leaves to the platform (`model.attention_impl: auto`, `model.scan_unroll:
+    null`) decided by `choose_attention` and `choose_unroll` for `platform` (default: JAX's
+    backend); a config that leaves nothing open as it is."""
+    m = cfg.model
+    if m.attention_impl != "auto" and m.scan_unroll is not None:
         return cfg
     if platform is None:
         import jax
 
         platform = jax.default_backend()
-    impl, _ = choose_attention(cfg, platform)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))  # type: ignore[arg-type]
+    impl = choose_attention(cfg, platform)[0] if m.attention_impl == "auto" else m.attention_impl
+    unroll = choose_unroll(cfg, platform) if m.scan_unroll is None else m.scan_unroll
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention_impl=impl, scan_unroll=unroll))  # type: ignore[arg-type]

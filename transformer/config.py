@@ -160,6 +160,10 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype; softmax, norms and logits are always float32
     scan_layers: bool = True
+    # layers run by each iteration of the layer scan (lax.scan's unroll); null: the whole stack on a
+    # CPU (where the stacked activations' copies cost ~10% of the step, benchmarks/README.md), one
+    # layer elsewhere, so compile time stays flat in depth (accelerator.resolve decides)
+    scan_unroll: int | None = None
     remat: Remat = "none"
     # a Hugging Face model directory: the architecture keys come from its config.json, the first
     # parameters from its weights (transformer/hf.py)
@@ -196,6 +200,11 @@ class ModelConfig:
         """Check the sizes and fill in the derived ones (kv heads, head dim, FFN width)."""
         for name in ("d_model", "n_layers", "n_heads", "ffn_multiple", "vocab_size", "vocab_multiple"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(
+            self.scan_unroll is None or self.scan_unroll >= 1,
+            "scan_unroll",
+            f"must be >= 1 (or null: decided by the platform), got {self.scan_unroll}",
+        )
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         _check(
@@ -1026,7 +1035,7 @@ def _to_dict(obj: Any) -> dict[str, Any]:
 # it runs, never the trajectory of the updates it has made so far. The execution keys change speed and
 # memory (which a comparison of runs may be about), the others only bookkeeping.
 RUN_BOOKKEEPING = ("train.steps", "train.eval_every", "logging.", "checkpoint.", "mesh.", "data.cache_dir")
-EXECUTION = ("model.remat", "model.scan_layers")
+EXECUTION = ("model.remat", "model.scan_layers", "model.scan_unroll")
 SAFE_ON_RESUME = RUN_BOOKKEEPING + EXECUTION
 
 

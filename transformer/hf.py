@@ -56,7 +56,7 @@ def _refuse(field: str, message: str) -> HFError:
 # sets it).
 FREE = (
     "max_seq_len ffn_multiple vocab_multiple attention_impl dropout attn_dropout init_std init_depth_scaled "
-    "param_dtype dtype scan_layers remat init_from"
+    "param_dtype dtype scan_layers scan_unroll remat init_from"
 ).split()
 ARCHITECTURE = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in FREE]
 

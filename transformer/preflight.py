@@ -199,7 +199,7 @@ class Plan:
     temporaries: int  # activations, gradients and everything else live inside the step
     peak: int  # the backend's own peak, where it reports one (else 0)
     flops: float  # XLA's count for one device's program
-    scanned: bool  # XLA counts the body of the layer scan (model.scan_layers) once, not once per layer
+    scanned: bool  # XLA counts the body of a layer scan that loops (model.scan_layers, scan_unroll) once, not once per iteration
     model_flops: float  # the model's count (transformer.model.summary) per device
     compile_s: float
     capacity: int
@@ -259,12 +259,19 @@ def measure(
         temporaries=memory.temp_size_in_bytes,
         peak=getattr(memory, "peak_memory_in_bytes", 0),
         flops=float((cost or {}).get("flops", math.nan)),
-        scanned=cfg.model.scan_layers and cfg.model.n_layers > 1,
+        scanned=loops(trainer.cfg),
         model_flops=flops / len(target.devices),
         compile_s=seconds,
         capacity=target.capacity,
         where=target.where,
     )
+
+
+def loops(cfg: Config) -> bool:
+    """Whether the compiled step keeps the layer scan as a loop (`cfg` resolved for the platform):
+    scanned, with fewer layers an iteration than the stack has."""
+    m = cfg.model
+    return m.scan_layers and (m.scan_unroll or 1) < max(m.n_layers, m.n_encoder_layers or 0)
 
 
 def work_per_step(cfg: Config) -> tuple[int, float]:

@@ -4,6 +4,7 @@ an encoder-decoder adds the encoder stack whose output the decoder blocks cross-
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,9 @@ from transformer.model.positions import positions_for
 Stats = dict[str, jax.Array]
 # One block on the residual stream: (x, the block's state, dropout key, window) -> (x, stats).
 BlockStep = Callable[[jax.Array, nnx.State, jax.Array | None, Window], tuple[jax.Array, Stats]]
+
+_Xs = TypeVar("_Xs")  # what the layer scan slices per layer
+_Ys = TypeVar("_Ys")  # what it stacks
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -209,10 +213,18 @@ def _over_layers(
         return _unrolled(_remat(cfg, step, (3,)), x_BxTxD, state, keys_L, windows)
     if len(set(windows)) == 1:
         static_step = _remat(cfg, step, (3,))
-        return jax.lax.scan(lambda x, xs: static_step(x, *xs, windows[0]), x_BxTxD, (state, keys_L))
+        return _scan(cfg, lambda x, xs: static_step(x, *xs, windows[0]), x_BxTxD, (state, keys_L))
     traced_step = _remat(cfg, step, ())
     windows_L = jnp.asarray([GLOBAL_WINDOW if w is None else w for w in windows], jnp.int32)
-    return jax.lax.scan(lambda x, xs: traced_step(x, *xs), x_BxTxD, (state, keys_L, windows_L))
+    return _scan(cfg, lambda x, xs: traced_step(x, *xs), x_BxTxD, (state, keys_L, windows_L))
+
+
+def _scan(
+    cfg: ModelConfig, body: Callable[[jax.Array, _Xs], tuple[jax.Array, _Ys]], x_BxTxD: jax.Array, xs: _Xs
+) -> tuple[jax.Array, _Ys]:
+    """The layer scan, `model.scan_unroll` layers an iteration (null, when the config was not
+    resolved for a platform: one)."""
+    return jax.lax.scan(body, x_BxTxD, xs, unroll=cfg.scan_unroll or 1)
 
 
 def layer_slots(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
@@ -268,7 +280,7 @@ def _over_groups(
             per_layer.append(stats)
         return x_BxTxD, per_layer
 
-    x_BxTxD, per_position = jax.lax.scan(group, x_BxTxD, (dense_GxJ, states["moe_blocks"], keys_GxK, windows_GxK))
+    x_BxTxD, per_position = _scan(cfg, group, x_BxTxD, (dense_GxJ, states["moe_blocks"], keys_GxK, windows_GxK))
     # per_position[j][name] is [G]; layer g*k + j: stacking positions on a second axis restores layer order
     names = dict.fromkeys(n for stats in per_position for n in stats)
     return x_BxTxD, {n: jnp.stack([s[n] for s in per_position if n in s], axis=1).reshape(-1) for n in names}
