@@ -106,7 +106,7 @@ def choose_unroll(cfg: Config, platform: str) -> int:
     ~2x at 32 layers); one layer elsewhere (compile time flat in depth), and wherever `model.remat`
     is on: unrolled, XLA:CPU keeps the activations remat was asked to drop (measured: no memory saved)."""
     m = cfg.model
-    return max(m.n_layers, m.n_encoder_layers or 0) if platform == "cpu" and m.remat == "none" else 1
+    return m.deepest_stack if platform == "cpu" and m.remat == "none" else 1
 
 
 def resolve(cfg: Config, platform: str | None = None) -> Config:

@@ -384,6 +384,11 @@ class ModelConfig:
         return self.arch != "encoder"
 
     @property
+    def deepest_stack(self) -> int:
+        """Layers of the deepest stack: an encoder-decoder's encoder may be deeper than its decoder."""
+        return max(self.n_layers, self.n_encoder_layers or 0)
+
+    @property
     def moe_layers(self) -> tuple[bool, ...]:
         """Whether each layer's FFN is a mixture of experts (every moe_every-th, ending a group)."""
         return tuple(bool(self.n_experts) and (i + 1) % self.moe_every == 0 for i in range(self.n_layers))

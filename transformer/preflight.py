@@ -271,7 +271,7 @@ def loops(cfg: Config) -> bool:
     """Whether the compiled step keeps the layer scan as a loop (`cfg` resolved for the platform):
     scanned, with fewer layers an iteration than the stack has."""
     m = cfg.model
-    return m.scan_layers and (m.scan_unroll or 1) < max(m.n_layers, m.n_encoder_layers or 0)
+    return m.scan_layers and (m.scan_unroll or 1) < m.deepest_stack
 
 
 def work_per_step(cfg: Config) -> tuple[int, float]:
