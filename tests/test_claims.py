@@ -79,23 +79,24 @@ def test_an_empty_claim_file_left_by_a_crash_goes_stale_too(tmp_path):
     assert Claim(tmp_path / "m", stale_after=60).try_acquire() is None
 
 
-def _take(member, start, results):
-    claim = Claim(member, stale_after=1)
+def _take(member, start, results, done):
+    claim = Claim(member, stale_after=30)  # the old claim (100 s) is stale, the winner's fresh one not
     start.wait()
     won = claim.try_acquire() is None
     results.put((os.getpid(), won, claim.token))
-    time.sleep(0.5)  # hold it while the others try
+    done.wait(timeout=60)  # hold it, alive, until every taker has tried (a loaded machine may start one late)
 
 
 def test_a_stale_claim_is_taken_over_by_exactly_one_of_many(tmp_path):
     write_claim(tmp_path / "m", age=100.0)
     ctx = multiprocessing.get_context("fork")
-    start, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_take, args=(tmp_path / "m", start, results)) for _ in range(6)]
+    start, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_take, args=(tmp_path / "m", start, results, done)) for _ in range(6)]
     for p in procs:
         p.start()
     start.set()
     outcomes = [results.get(timeout=30) for _ in procs]
+    done.set()
     for p in procs:
         p.join()
     winners = [o for o in outcomes if o[1]]
