@@ -12,9 +12,9 @@ Layout. The interface is the GQA one of attention.py: q [B, T, K, G, H], k and v
 query head n = k*G + g. Inside, everything is head-major, transposed once on the way in and once
 on the way out: queries [B, K, G, T, H], values [B, K, S, H], and keys [B, K, H, S] (and, in the
 backward pass, also [B, K, S, H]). Then every block's product is a batched matmul over (B, K) whose
-operands are already in the row-major form XLA:CPU's dot wants, and a block's keys are a slice of
-contiguous rows; laid out as the interface is, XLA transposed each block's keys again, a cost that
-grows with the square of the length. The key and value gradients are accumulated transposed,
+operands are already in the row-major form XLA:CPU's dot wants (a block's keys are still sliced,
+a strided copy, but no longer transposed); laid out as the interface is, XLA transposed each block's
+keys again, a cost that grows with the square of the length. The key and value gradients are accumulated transposed,
 [B, K, H, S], for the same reason (their blocks' products then contract over the block's queries
 without transposing the [T, S] probabilities). Measured on XLA:CPU: benchmarks/README.md.
 
