@@ -1,8 +1,11 @@
 """`--preflight`: the compiled step's memory and FLOPs, refusals in one line, out-of-memory handling."""
 
+import os
+from unittest import mock
+
 import jax
 import pytest
-from conftest import tiny_run_overrides, write_corpus
+from conftest import ROOT, tiny_run_overrides, write_corpus
 
 from transformer import cli, preflight, sharding
 from transformer.config_loader import load_config
@@ -98,11 +101,34 @@ def test_out_of_memory_while_running_is_one_line_and_exit_1(tmp_path, capsys, mo
     assert "mesh.fsdp" in errors[0]
 
 
-@pytest.mark.skipif(preflight.libtpu_path() is None, reason="libtpu (the TPU compile-only backend) not installed")
-def test_compiles_for_a_tpu_topology(capsys):
+# .ci/run installs libtpu beside the environment (in it, every JAX program would look for a TPU)
+LIBTPU = preflight.libtpu_path() or next((str(p) for p in [ROOT / ".ci/libtpu/libtpu/libtpu.so"] if p.exists()), None)
+
+
+@pytest.fixture
+def libtpu():
+    """libtpu's compile-only backend for this test only: the environment variables topology_target
+    sets would make every JAX subprocess a later test starts look for a TPU."""
+    if LIBTPU is None:
+        pytest.skip("libtpu (the TPU compile-only backend) not installed: .ci/run puts it in .ci/libtpu")
+    with mock.patch.dict(os.environ, {"TPU_LIBRARY_PATH": LIBTPU}):
+        yield
+
+
+def test_compiles_for_a_tpu_topology(libtpu, capsys):
     assert cli.train_main(["--preflight", *TINY, "model.n_layers=1", "--topology", "v5e-4", "mesh.fsdp=2"]) == 0
     out = capsys.readouterr().out
     assert "v5e:2x2" in out and "HBM per TPU v5 lite device" in out
+
+
+def test_fsdp_shards_the_state_on_a_tpu_topology(libtpu):
+    """Each of the slice's 4 devices holds a quarter of the parameters and optimiser state."""
+    target = preflight.topology_target("v5e-4")
+    cfgs = [load_config(None, [*TINY, "model.n_layers=2", f"mesh.fsdp={n}"]).with_vocab(259) for n in (1, 4)]
+    whole, sharded = (preflight.plan(cfg, target) for cfg in cfgs)
+    assert whole.parameters == 4 * count_params(cfgs[0].model)  # float32
+    assert sharded.parameters == whole.parameters // 4
+    assert sharded.optimizer <= whole.optimizer // 4 + 64  # the step counter is not sharded
 
 
 def test_topology_without_libtpu_says_what_is_missing(capsys, monkeypatch):
@@ -112,7 +138,6 @@ def test_topology_without_libtpu_says_what_is_missing(capsys, monkeypatch):
 
 def test_a_sweep_preflights_every_member(tmp_path, capsys, monkeypatch):
     import yaml
-    from conftest import ROOT
 
     sweep = {
         "base": str(ROOT / "configs" / "default.yaml"),
@@ -135,8 +160,6 @@ def test_train_py_preflight_refuses_an_impossible_mesh_in_one_line():
     import os
     import subprocess
     import sys
-
-    from conftest import ROOT
 
     args = [sys.executable, "train.py", "--preflight", *TINY, "mesh.tensor=2", "mesh.data=4"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -311,12 +311,20 @@ def plan(cfg: Config, target: Target) -> Plan:
     """Compile `cfg`'s train step (its vocabulary resolved: `vocab_size`) for `target` from abstract
     shapes (nothing is allocated) and measure it."""
     cfg = resolve(cfg, target.platform)
-    if target.platform == jax.default_backend():  # what this backend cannot run at all (cudnn on CPU, ...)
+    local = target.platform == jax.default_backend()
+    if local:  # what this backend cannot run at all (cudnn on CPU, ...)
         sharding.check_attention_support(cfg.model)
     mesh = sharding.make_mesh(cfg, target.devices)
     trainer = Trainer(cfg, mesh)
     batch = abstract_batch(cfg, mesh)
-    compiled, seconds = compile_step(trainer, batch)
+    # a compile-only client cannot load an executable from a persistent compilation cache (it warns
+    # and compiles again), and nothing compiled for an absent slice is worth caching
+    cached = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag jax defines at runtime
+    jax.config.update("jax_enable_compilation_cache", cached and local)
+    try:
+        compiled, seconds = compile_step(trainer, batch)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     return measure(cfg, trainer, compiled, batch, seconds, target)
 
 
