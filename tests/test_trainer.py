@@ -19,6 +19,7 @@ from transformer.config import ConfigError, OptimConfig
 from transformer.config_loader import load_config
 from transformer.data import prepare
 from transformer.loop import train
+from transformer.model.summary import count_params
 from transformer.optim import decay_mask, schedule
 from transformer.trainer import cross_entropy
 
@@ -84,6 +85,26 @@ def test_losses_identical_across_meshes(corpus, tmp_path):
     assert by_mesh[(8, 1, 1, 1)]["qkv"] == "P(None, None, None, None, None)"
     assert by_mesh[(2, 1, 1, 4)]["experts"] == "P(None, 'expert', None, None, None)"
     assert by_mesh[(1, 2, 2, 2)]["experts"] == "P(None, 'expert', 'fsdp', None, 'tensor')"
+
+
+@pytest.mark.slow
+def test_fsdp_splits_activations_by_the_batch():
+    """fsdp splits the batch as data parallelism does, and the weights besides: the temporaries of
+    its compiled step per device are data=4's plus at most one layer's weights gathered (here a
+    layer's share of all the float32 parameters), and under half of one device's. (Left to itself,
+    XLA's propagation had followed the fsdp-split weights instead: the whole batch on every device,
+    each projection's output all-reduced; 1.66x data=4's temporaries here.)"""
+    overrides = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"]
+    overrides += ["data.seq_len=64", "train.batch_size=16"]  # activations well above the weights
+    meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "data": 1, "fsdp": 4}]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    worker = [str(ROOT / "tests" / "mesh_worker.py"), "--temporaries", json.dumps(meshes), json.dumps(overrides)]
+    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    one, data, fsdp = (r["temporaries"] for r in json.loads(out.stdout.strip().splitlines()[-1]))
+    model = load_config(None, overrides).with_vocab(259).model
+    assert fsdp - data <= 4 * count_params(model) / model.n_layers, (one, data, fsdp)
+    assert fsdp < one / 2, (one, data, fsdp)
 
 
 @pytest.mark.slow

@@ -109,6 +109,8 @@ def topology_target(name: str) -> Target:
     # no TPU here: keep libtpu from looking for one (metadata server, worker hostnames)
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # nor from claiming the chips: a second preflight at the same time would find them taken
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault(
         "TPU_ACCELERATOR_TYPE", f"{ACCELERATOR_TYPES[generation]}-{chips * CORES_PER_CHIP[generation]}"
     )

@@ -20,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from transformer.config import Config, ConfigError, ModelConfig, check_expert_split, check_tensor_split
 from transformer.errors import first_line
+from transformer.model.layers import Placer
 from transformer.model.summary import count_params, cross_cache_bytes_per_source_token, kv_cache_bytes_per_token
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -87,6 +88,17 @@ def spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> Pa
         used.update(mesh_axes)
         out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return PartitionSpec(*out)
+
+
+def activation_placer(mesh: Mesh) -> Placer | None:
+    """What pins the activations the model names (`model.layers.place`) on `mesh`: None on one
+    device. Without it XLA's propagation may follow the fsdp-split weights instead of the batch:
+    it gathered the whole batch onto every device and split the residual stream along D, all-reducing
+    each projection's output (tensor parallelism over fsdp), so activations did not shrink with the
+    mesh and no weight was gathered."""
+    if mesh.size == 1:
+        return None
+    return lambda x, axes: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes, x.shape, mesh)))
 
 
 def state_shardings(state: nnx.State, mesh: Mesh):

@@ -24,6 +24,7 @@ from transformer.config import Config
 from transformer.data import Data
 from transformer.loss import cross_entropy as cross_entropy  # its old home: callers import it from here
 from transformer.model import Transformer
+from transformer.model.layers import placing
 from transformer.model.moe import STEP_METRICS
 from transformer.model.transformer import layer_slots
 from transformer.optim import make_optimizer, schedule
@@ -135,6 +136,7 @@ class Trainer:
         cfg = accelerator.resolve(cfg)  # attention_impl: auto -> this backend's pick
         self.cfg = cfg
         self.mesh = mesh
+        self.placer = sharding.activation_placer(mesh)
         self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
         param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
         self.tx = make_optimizer(cfg.optim, cfg.train.steps, nnx.to_pure_dict(abstract))
@@ -164,7 +166,8 @@ class Trainer:
 
     def _loss(self, params, batch, key):
         model = nnx.merge(self.graphdef, params)
-        x_BxTxD, routing = model.forward(*model_inputs(batch), key=key, **encoder_inputs(batch))
+        with placing(self.placer):
+            x_BxTxD, routing = model.forward(*model_inputs(batch), key=key, **encoder_inputs(batch))
         weights = batch.get("weights", jnp.ones(batch["targets"].shape, jnp.float32))
         objective, nll_sum, count, correct = loss.objective(
             x_BxTxD, model.logits, batch["targets"], weights, self.cfg.train.z_loss, self.cfg.loss_chunk
@@ -232,7 +235,8 @@ class Trainer:
 
     def _stats_step(self, params, batch) -> dict:
         model = nnx.merge(self.graphdef, params)
-        return model.stability_stats(*model_inputs(batch), **encoder_inputs(batch))
+        with placing(self.placer):
+            return model.stability_stats(*model_inputs(batch), **encoder_inputs(batch))
 
     def _eval_step(self, params, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(nll sum, target count, count of targets predicted right) of one batch."""

@@ -6,15 +6,18 @@ F FFN width, V vocab, L layers; C the parts of a fused projection (G + 2 for que
 value; 2 for gate and up), P the rows of a learned position table.
 
 Every parameter is an `nnx.Param` carrying `axes`, a tuple of logical axis names; the model never
-places anything on devices itself: `transformer/sharding.py` maps those names to mesh axes.
+places anything on devices itself: `transformer/sharding.py` maps those names to mesh axes. The
+residual stream is named the same way (`place`), for the step that traces the model to pin.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,27 @@ from flax import nnx
 from transformer.config import ModelConfig
 
 Axes = tuple[str | None, ...]  # a parameter's logical axis names, one per dimension (None: replicated)
+
+# How the step being traced pins an activation with logical axes to devices (see `placing`).
+Placer = Callable[[jax.Array, Axes], jax.Array]
+_placer: contextvars.ContextVar[Placer | None] = contextvars.ContextVar("placer", default=None)
+
+
+def place(x: jax.Array, axes: Axes) -> jax.Array:
+    """`x`, whose dimensions have these logical axes, where the step being traced wants it (the
+    identity outside one: a single device, the model's own tests)."""
+    placer = _placer.get()
+    return x if placer is None else placer(x, axes)
+
+
+@contextlib.contextmanager
+def placing(placer: Placer | None) -> Iterator[None]:
+    """Trace the model with `place` pinning activations by `placer` (None: nowhere)."""
+    token = _placer.set(placer)
+    try:
+        yield
+    finally:
+        _placer.reset(token)
 
 
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float, cfg: ModelConfig) -> nnx.Param:

@@ -13,7 +13,7 @@ from flax import nnx
 from transformer.config import GLOBAL_WINDOW, ModelConfig
 from transformer.model.attention import MASK_VALUE, Attention, KVCache, Window, cache_size
 from transformer.model.cross_attention import CrossAttention, Memory
-from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param
+from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param, place
 from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.moe import STEP_METRICS, MoE
 from transformer.model.positions import positions_for
@@ -25,6 +25,10 @@ BlockStep = Callable[[jax.Array, nnx.State, jax.Array | None, Window], tuple[jax
 
 _Xs = TypeVar("_Xs")  # what the layer scan slices per layer
 _Ys = TypeVar("_Ys")  # what it stacks
+
+# The residual stream between blocks, [B, T, D]: split by rows like the batch, whole along D even where
+# fsdp splits the weights' D (see sharding.RULES).
+RESIDUAL_AXES = ("batch", None, None)
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -399,7 +403,9 @@ class Transformer(nnx.Module):
         # the memory is the same for every layer: closed over, like the positions
         def step(x: jax.Array, state_l: nnx.State, key_l: jax.Array | None, window: Window) -> tuple[jax.Array, Stats]:
             block = nnx.merge(graphdef, state_l)
-            return _block_forward(block, x, positions_BxT, segment_ids_BxT, window, key_l, collect, memory)
+            x = place(x, RESIDUAL_AXES)
+            x, stats = _block_forward(block, x, positions_BxT, segment_ids_BxT, window, key_l, collect, memory)
+            return place(x, RESIDUAL_AXES), stats
 
         return step
 
