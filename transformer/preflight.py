@@ -8,12 +8,13 @@ or XLA says so, becomes an `OutOfMemory`: one line with the figures and the knob
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -309,6 +310,23 @@ def start_step(trainer: Trainer, local: dict[str, np.ndarray]) -> tuple[Callable
     return (compiled if all(jax.tree.leaves(same)) else trainer.train_step), p
 
 
+@contextlib.contextmanager
+def _no_compilation_cache() -> Iterator[None]:
+    """Compile without the persistent compilation cache: a compile-only client cannot load an
+    executable from it (jax warns and compiles again), and nothing compiled for an absent slice is
+    worth keeping. jax decides once per process whether the cache is used, hence the resets."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag jax defines at runtime
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
+
+
 def plan(cfg: Config, target: Target) -> Plan:
     """Compile `cfg`'s train step (its vocabulary resolved: `vocab_size`) for `target` from abstract
     shapes (nothing is allocated) and measure it."""
@@ -319,14 +337,11 @@ def plan(cfg: Config, target: Target) -> Plan:
     mesh = sharding.make_mesh(cfg, target.devices)
     trainer = Trainer(cfg, mesh)
     batch = abstract_batch(cfg, mesh)
-    # a compile-only client cannot load an executable from a persistent compilation cache (it warns
-    # and compiles again), and nothing compiled for an absent slice is worth caching
-    cached = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # a flag jax defines at runtime
-    jax.config.update("jax_enable_compilation_cache", cached and local)
-    try:
+    if local:
         compiled, seconds = compile_step(trainer, batch)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
+    else:
+        with _no_compilation_cache():
+            compiled, seconds = compile_step(trainer, batch)
     return measure(cfg, trainer, compiled, batch, seconds, target)
 
 
