@@ -1,4 +1,5 @@
-"""`model.attention_impl: auto` and the GPU flags: the decision on fake platforms, the CPU fallback."""
+"""`model.dtype: auto`, `model.attention_impl: auto` and the GPU flags: the decision on fake
+platforms, the CPU fallback."""
 
 import dataclasses
 
@@ -50,6 +51,31 @@ def test_auto_picks_cudnn_only_where_its_masks_and_shapes_allow(platform, cfg, i
 
 
 @pytest.mark.parametrize(
+    ("platform", "dtype", "computed"),
+    [
+        ("cpu", "auto", "float32"),
+        ("gpu", "auto", "bfloat16"),  # bf16 compute, f32 master weights: param_dtype stays float32
+        ("tpu", "auto", "bfloat16"),
+        ("gpu", "float32", "float32"),  # a dtype the config sets is kept
+        ("cpu", "bfloat16", "bfloat16"),
+    ],
+)
+def test_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_a_cpu(platform, dtype, computed):
+    cfg = _cfg(dtype=dtype)
+    resolved = accelerator.resolve(cfg, platform).model
+    assert (resolved.dtype, resolved.compute_dtype, resolved.param_dtype) == (computed, computed, "float32")
+    # auto's dtype is what auto's attention is chosen for: cuDNN on a GPU needs the bf16 it settles on
+    expected = {"gpu": "cudnn" if computed != "float32" else "xla", "cpu": "blocked", "tpu": "xla"}[platform]
+    assert resolved.attention_impl == expected
+
+
+def test_an_unresolved_auto_dtype_computes_as_a_cpu_does():
+    """A model built straight from a config (a test, a notebook) without `resolve` runs float32."""
+    assert ModelConfig().dtype == "auto"
+    assert ModelConfig().compute_dtype == "float32"
+
+
+@pytest.mark.parametrize(
     ("platform", "model", "unroll"),
     [
         ("cpu", dict(n_layers=6), 6),
@@ -81,6 +107,7 @@ def test_auto_on_cpu_runs_blocked_and_says_so(tmp_path):
         result = train(cfg, data, None, sharding.make_mesh(cfg, jax.devices()[:1]), log=lines.append)
         runs[impl] = (result, lines)
     assert any("attention blocked (auto: CPU, static mask" in line for line in runs["auto"][1])
+    assert any("compute float32 (auto)" in line for line in runs["auto"][1])
     for a, b in zip(jax.tree.leaves(runs["auto"][0].params), jax.tree.leaves(runs["blocked"][0].params)):
         np.testing.assert_array_equal(a, b)
 

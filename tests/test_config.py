@@ -237,7 +237,7 @@ INVALID = [
     (["data.seq_len=512", "model.max_seq_len=256"], "data.seq_len", "model.max_seq_len"),
     (["train.grad_accum=3"], "train.grad_accum", "batch_size"),
     (["model.attn_softcap=30"], "model.attn_softcap", "einsum"),
-    (["model.attention_impl=cudnn"], "model.attention_impl", "model.dtype"),
+    (["model.attention_impl=cudnn", "model.dtype=float32"], "model.attention_impl", "model.dtype"),
     (["model.norm_position=sandwhich"], "model.norm_position", "did you mean sandwich?"),
     (["model.norm=batchnorm"], "model.norm", "layernorm, rmsnorm"),
     (["model.n_heads=3", "model.n_kv_heads=3"], "model.n_heads", "model.head_dim"),

@@ -121,6 +121,19 @@ def test_a_run_without_checkpoints_is_started_over_unless_of_another_config(corp
         resume_changes(cfg, tmp_path)
 
 
+def test_a_saved_float32_run_is_the_same_config_as_auto_on_a_cpu(corpus, cache, tmp_path):
+    """Runs saved before `model.dtype: auto` say float32: on a CPU, auto computes that, so they
+    still resume; a dtype that changes what is computed here is refused, naming the key."""
+    cfg = load_config(None, args(corpus, cache))
+    assert cfg.model.dtype == "auto"
+    (tmp_path / rundir.METRICS).write_text('{"step": 1, "loss": 5.0}\n')
+    rundir.write_config(tmp_path, load_config(None, args(corpus, cache, "model.dtype=float32")))
+    assert resume_changes(cfg, tmp_path) is None
+    rundir.write_config(tmp_path, load_config(None, args(corpus, cache, "model.dtype=bfloat16")))
+    with pytest.raises(ConfigError, match=r"model\.dtype: 'bfloat16' -> 'float32'"):
+        resume_changes(cfg, tmp_path)
+
+
 # --- end to end ------------------------------------------------------------------------------------
 
 TIMING = {"step_time", "tokens_per_s", "tflops_per_device", "mfu"}  # wall-clock figures differ run to run

@@ -1,14 +1,15 @@
-"""Choices that depend on the accelerator, made in one place: which attention implementation
-`model.attention_impl: auto` runs, how many layers each iteration of the layer scan runs
-(`model.scan_unroll: null`), and the XLA flags a GPU run gets.
+"""Choices that depend on the accelerator, made in one place: the compute dtype `model.dtype: auto`
+runs, which attention implementation `model.attention_impl: auto` runs, how many layers each
+iteration of the layer scan runs (`model.scan_unroll: null`), and the XLA flags a GPU run gets.
 
 The config a run saves keeps `auto` (it means the same thing on every machine); the model is built
-from `resolve(cfg)`, and the run's start-up line says which implementation was picked and why.
+from `resolve(cfg)`, and the run's start-up line says what was picked and why.
 
-Compute dtype: `model.dtype` stays `float32` unless a config asks for `bfloat16` (parameters and
-optimiser state stay `param_dtype`, float32 by default: bf16 compute with f32 master weights). It is
-not made platform-dependent, so that one config trains the same numbers on a laptop and on a GPU;
-the GPU benchmark and presets set `model.dtype=bfloat16` explicitly.
+Compute dtype (`model.dtype: auto`, the default): float32 on a CPU (see `choose_dtype`); bfloat16 on a GPU or TPU, with parameters and optimiser state kept in
+`param_dtype` (float32 by default): bf16 compute with f32 master weights, as MaxText and Levanter run.
+Softmax, norms and the logits are float32 either way. So the same config trains float32 numbers on a
+laptop and bf16 ones on a GPU; a comparison that must hold the numerics fixed across machines sets
+`model.dtype` explicitly. The start-up line says which dtype a run computes in.
 """
 
 from __future__ import annotations
@@ -55,12 +56,23 @@ def apply_xla_gpu_flags(environ=os.environ) -> list[str]:
     return added
 
 
+def choose_dtype(cfg: Config, platform: str) -> str:
+    """The compute dtype `model.dtype: auto` runs on `platform`: bfloat16 on a GPU or TPU, whose
+    matrix units are built for it; float32 on a CPU, where bfloat16 buys little (XLA:CPU's bf16 step
+    took 0.99x and 0.94x of the float32 one's time on the default and 6-layer presets,
+    benchmarks/README.md) and first looks and the tests compare exact numbers."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
 def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
     """(implementation, why) that `model.attention_impl: auto` runs on `platform` (jax's backend
     name: cpu, gpu, tpu): cuDNN's fused flash attention on a GPU and the blocked one (model/flash.py)
     on a CPU where their masks and shapes allow, else XLA's (einsum where only it has the feature
     asked for)."""
     m = cfg.model
+    dtype = choose_dtype(cfg, platform)
     if m.attn_softcap or m.attn_dropout:
         return "einsum", "attn_softcap and attn_dropout need the einsum implementation"
     mask_reasons = [
@@ -80,7 +92,7 @@ def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
         return next((("xla", why) for refused, why in mask_reasons if refused), ("blocked", why))
     reasons = [
         (platform != "gpu", f"cuDNN attention needs a GPU, this is {platform}"),
-        (m.dtype == "float32", "cuDNN attention needs bfloat16 or float16 compute (model.dtype)"),
+        (dtype == "float32", "cuDNN attention needs bfloat16 or float16 compute (model.dtype)"),
         (
             m.head_dim % 8 != 0 or m.head_dim > 128,
             f"cuDNN flash attention needs head_dim <= 128, a multiple of 8, not {m.head_dim}",
@@ -96,7 +108,7 @@ def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
         if refused:
             return "xla", why
     window = f", sliding window {m.window}" if m.window else ""
-    return "cudnn", f"GPU, {m.dtype}, causal mask{window}"
+    return "cudnn", f"GPU, {dtype}, causal mask{window}"
 
 
 def choose_unroll(cfg: Config, platform: str) -> int:
@@ -110,11 +122,11 @@ def choose_unroll(cfg: Config, platform: str) -> int:
 
 
 def resolve(cfg: Config, platform: str | None = None) -> Config:
-    """`cfg` with what it leaves to the platform (`model.attention_impl: auto`, `model.scan_unroll:
-    null`) decided by `choose_attention` and `choose_unroll` for `platform` (default: JAX's
-    backend); a config that leaves nothing open as it is."""
+    """`cfg` with what it leaves to the platform (`model.dtype: auto`, `model.attention_impl: auto`,
+    `model.scan_unroll: null`) decided by `choose_dtype`, `choose_attention` and `choose_unroll` for
+    `platform` (default: JAX's backend); a config that leaves nothing open as it is."""
     m = cfg.model
-    if m.attention_impl != "auto" and m.scan_unroll is not None:
+    if m.dtype != "auto" and m.attention_impl != "auto" and m.scan_unroll is not None:
         return cfg
     if platform is None:
         import jax
@@ -122,4 +134,5 @@ def resolve(cfg: Config, platform: str | None = None) -> Config:
         platform = jax.default_backend()
     impl = choose_attention(cfg, platform)[0] if m.attention_impl == "auto" else m.attention_impl
     unroll = choose_unroll(cfg, platform) if m.scan_unroll is None else m.scan_unroll
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention_impl=impl, scan_unroll=unroll))  # type: ignore[arg-type]
+    settled = dataclasses.replace(m, dtype=choose_dtype(cfg, platform), attention_impl=impl, scan_unroll=unroll)  # type: ignore[arg-type]
+    return dataclasses.replace(cfg, model=settled)

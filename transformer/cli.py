@@ -107,14 +107,7 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.preflight:
         return _preflight_main([("", cfg)], args.topology)
     if args.dry_run:
-        from transformer.model.summary import summary_text
-        from transformer.objectives import row_lengths
-
-        print(cfg.to_yaml().rstrip())
-        print()
-        T, S = row_lengths(cfg.data)  # an encoder-decoder's: target T, input S
-        print(summary_text(cfg.model, T) if S is None else summary_text(cfg.model, S, T))
-        return 0
+        return _dry_run(cfg)
     _distributed(args)
     workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)
     if args.claim:  # a member run by a scheduler, a Ray task or a SLURM array task: claimed first
@@ -242,6 +235,20 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     if closing is not None:
         print(closing)
     return outcome.exit_code
+
+
+def _dry_run(cfg: Config) -> int:
+    """The resolved config and the model summary."""
+    from transformer.accelerator import resolve
+    from transformer.model.summary import summary_text
+    from transformer.objectives import row_lengths
+
+    print(cfg.to_yaml().rstrip())
+    print()
+    T, S = row_lengths(cfg.data)  # an encoder-decoder's: target T, input S
+    m = resolve(cfg).model  # the compute dtype auto picks here sizes the KV cache
+    print(summary_text(m, T) if S is None else summary_text(m, S, T))
+    return 0
 
 
 def _sweep_dry_run(sweep: Sweep) -> int:

@@ -42,6 +42,7 @@ MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_di
 LayerKind = Literal["local", "global"]
 Remat = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
+ComputeDType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: accelerator.choose_dtype decides
 Router = Literal["softmax", "sigmoid"]
 # The three Transformer families: decoder-only (causal LM), encoder-only (bidirectional, masked LM),
 # encoder-decoder (bidirectional encoder; causal decoder with cross-attention to it).
@@ -158,7 +159,9 @@ class ModelConfig:
     init_std: float = 0.02
     init_depth_scaled: bool = True  # residual output projections get init_std / sqrt(2 * n_layers)
     param_dtype: DType = "float32"
-    dtype: DType = "float32"  # compute dtype; softmax, norms and logits are always float32
+    # compute dtype; softmax, norms and logits are always float32. auto: float32 on a CPU, bfloat16
+    # on a GPU or TPU (with param_dtype's float32 master weights), decided by accelerator.resolve
+    dtype: ComputeDType = "auto"
     scan_layers: bool = True
     # layers run by each iteration of the layer scan (lax.scan's unroll); null: the whole stack on a
     # CPU (where the stacked activations' copies cost ~10% of the step, benchmarks/README.md), one
@@ -392,6 +395,13 @@ class ModelConfig:
     def moe_layers(self) -> tuple[bool, ...]:
         """Whether each layer's FFN is a mixture of experts (every moe_every-th, ending a group)."""
         return tuple(bool(self.n_experts) and (i + 1) % self.moe_every == 0 for i in range(self.n_layers))
+
+    @property
+    def compute_dtype(self) -> DType:
+        """The dtype activations are computed in. A run's model is built from a config that
+        `accelerator.resolve` has settled (auto: float32 on a CPU, bfloat16 on a GPU or TPU); one built
+        straight from an unresolved config (a test, a notebook, an HF conversion) computes as a CPU does."""
+        return "float32" if self.dtype == "auto" else self.dtype
 
     @property
     def n_kv_groups(self) -> int:
@@ -1039,7 +1049,14 @@ def _to_dict(obj: Any) -> dict[str, Any]:
 # Keys that may change when a run is resumed: they change how long it runs, what it logs and where
 # it runs, never the trajectory of the updates it has made so far. The execution keys change speed and
 # memory (which a comparison of runs may be about), the others only bookkeeping.
-RUN_BOOKKEEPING = ("train.steps", "train.eval_every", "logging.", "checkpoint.", "mesh.", "data.cache_dir")
+RUN_BOOKKEEPING = (
+    "train.steps",
+    "train.eval_every",
+    "logging.",
+    "checkpoint.",
+    "mesh.",
+    "data.cache_dir",
+)
 EXECUTION = ("model.remat", "model.scan_layers", "model.scan_unroll")
 SAFE_ON_RESUME = RUN_BOOKKEEPING + EXECUTION
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 
 from transformer import rundir, sharding
+from transformer.accelerator import resolve
 from transformer.checkpoint import Checkpointer
 from transformer.config import SAFE_ON_RESUME, Config, ConfigError, config_changes
 from transformer.config_loader import apply_overrides, from_dict
@@ -27,7 +28,7 @@ def run_config(workdir: Path, overrides: list[str]) -> Config:
     check_parameter_shapes(saved, cfg)
     # a run trained elsewhere (float16 or cuDNN attention on a GPU) may not run here: say which
     # override would (model.dtype and model.attention_impl keep the parameters' shapes)
-    sharding.check_attention_support(cfg.model)
+    sharding.check_attention_support(resolve(cfg).model)
     return cfg
 
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from transformer import rundir, sharding
+from transformer.accelerator import resolve
 from transformer.checkpoint import Checkpointer, check_writable, partial_writes
 from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data, prepare
@@ -114,7 +115,7 @@ def resume_changes(cfg: Config, workdir: Path) -> list[str] | None:
     if not rundir.has_checkpoints(workdir):
         if rundir.has_config(workdir):
             saved = rundir.read_config(workdir)
-            unsafe, _ = config_changes(saved, cfg.with_vocab(saved.model.vocab_size))
+            unsafe, _ = _changes(saved, cfg)
             if unsafe:
                 raise ConfigError(
                     "",
@@ -122,10 +123,17 @@ def resume_changes(cfg: Config, workdir: Path) -> list[str] | None:
                 )
         return None
     saved = rundir.read_config(workdir)
-    unsafe, safe = config_changes(saved, cfg.with_vocab(saved.model.vocab_size))
+    unsafe, safe = _changes(saved, cfg)
     if unsafe:
         raise ConfigError("", f"cannot resume {workdir}: the config changes what was trained: {'; '.join(unsafe)}")
     return safe
+
+
+def _changes(saved: Config, cfg: Config) -> tuple[list[str], list[str]]:
+    """`config_changes` between the saved and the new config as this machine would compute them: what
+    `auto` leaves to the platform is settled on both sides, so a run saved with `model.dtype: float32`
+    resumes under `auto` on a CPU, and is refused under it on a GPU, where it would compute in bfloat16."""
+    return config_changes(resolve(saved), resolve(cfg.with_vocab(saved.model.vocab_size)))
 
 
 def begin(

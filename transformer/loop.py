@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from transformer import preflight, rundir, sharding
-from transformer.accelerator import choose_attention
+from transformer.accelerator import choose_attention, choose_dtype
 from transformer.checkpoint import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
 from transformer.config import Config
 from transformer.data import Data
@@ -111,10 +111,12 @@ class TrainLoop:
     def _announce(self) -> float:
         """Log the model, devices, mesh and peak FLOP/s (process 0); returns the peak of one device."""
         peak, source = device_peak_flops()
-        attention = ""
+        platform, attention = jax.default_backend(), ""
+        if self.cfg.model.dtype == "auto":
+            attention = f"compute {choose_dtype(self.cfg, platform)} (auto); "
         if self.cfg.model.attention_impl == "auto":
-            impl, why = choose_attention(self.cfg, jax.default_backend())
-            attention = f"attention {impl} (auto: {why}); "
+            impl, why = choose_attention(self.cfg, platform)
+            attention += f"attention {impl} (auto: {why}); "
         if self.lead:
             self.log(
                 f"{count_params(self.cfg.model):,} parameters on {self.mesh.devices.size} "

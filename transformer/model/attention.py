@@ -303,8 +303,8 @@ def init_cache(cfg: ModelConfig, batch: int, size: int) -> KVCache:
     """An empty cache of `size` entries for one layer."""
     shape = (batch, size, cfg.n_kv_heads, cfg.head_dim)
     return {
-        "k": jnp.zeros(shape, cfg.dtype),
-        "v": jnp.zeros(shape, cfg.dtype),
+        "k": jnp.zeros(shape, cfg.compute_dtype),
+        "v": jnp.zeros(shape, cfg.compute_dtype),
         "pos": jnp.full((batch, size), -1, jnp.int32),  # -1: empty
     }
 

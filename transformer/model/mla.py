@@ -68,8 +68,8 @@ class MultiHeadLatentAttention(Attention):
         """The latent and the shared rope key of `size` tokens: (R + E) numbers per token."""
         cfg = self.cfg
         return {
-            "latent": jnp.zeros((batch, size, cfg.kv_lora_rank), cfg.dtype),
-            "k_rope": jnp.zeros((batch, size, cfg.qk_rope_head_dim), cfg.dtype),
+            "latent": jnp.zeros((batch, size, cfg.kv_lora_rank), cfg.compute_dtype),
+            "k_rope": jnp.zeros((batch, size, cfg.qk_rope_head_dim), cfg.compute_dtype),
             "pos": jnp.full((batch, size), -1, jnp.int32),  # -1: empty
         }
 

@@ -175,8 +175,8 @@ def kv_cache_bytes_per_token(cfg: ModelConfig) -> int:
     if cfg.arch == "encoder":
         return 0
     if cfg.attention == "mla":
-        return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(cfg.dtype).itemsize
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+        return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * jnp.dtype(cfg.compute_dtype).itemsize
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
 
 
 def cross_cache_bytes_per_source_token(cfg: ModelConfig) -> int:
@@ -184,7 +184,7 @@ def cross_cache_bytes_per_source_token(cfg: ModelConfig) -> int:
     decoding: 2 * L * K * H * bytes (0 for the other families)."""
     if cfg.arch != "encoder_decoder":
         return 0
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
 
 
 # --- multi-head latent attention (model/mla.py), per layer -----------------------------------------
@@ -256,7 +256,7 @@ def _cache_lines(cfg: ModelConfig) -> list[str]:
     if cfg.arch == "encoder":
         return ["KV cache: none (an encoder does not decode)"]
     form = "L*(kv_lora_rank+qk_rope_head_dim)*bytes" if cfg.attention == "mla" else "2*L*K*H*bytes"
-    lines = [f"KV cache per token: {kv_cache_bytes_per_token(cfg):,} bytes ({cfg.dtype}; {form})"]
+    lines = [f"KV cache per token: {kv_cache_bytes_per_token(cfg):,} bytes ({cfg.compute_dtype}; {form})"]
     if cfg.arch == "encoder_decoder":
         cross = cross_cache_bytes_per_source_token(cfg)
         lines.append(f"cross-attention cache per input token: {cross:,} bytes (2*L*K*H*bytes, made once)")

@@ -341,7 +341,7 @@ class Transformer(nnx.Module):
 
     def embed_tokens(self, tokens_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds."""
-        x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.dtype)
+        x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
         table_PxD = None if self.pos_embed is None else self.pos_embed[...]
         return self.positions.add_to_embeddings(x_BxTxD, positions_BxT, table_PxD)
 
