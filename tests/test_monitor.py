@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, logged, read_events, tiny_run_overrides, write_corpus
+from conftest import ROOT, final_params, logged, read_events, tiny_run_overrides, write_corpus
 
 from transformer import rundir, sharding
 from transformer.config import MonitorConfig
@@ -386,6 +386,22 @@ def test_a_bad_update_saved_in_the_checkpoint_rolls_back_past_it(corpus, cache, 
     assert [e["step"] for e in events(workdir, "spike")][:1] == [41]
     # the update of step 39 (lr x3000) is in checkpoint 40: back to 30
     assert rollback_events(workdir) == [{"step": 30, "to_step": 30, "checkpoint_sound": False}]
+
+
+@pytest.mark.slow
+def test_batches_made_ahead_train_the_same_run_through_a_rollback_and_skips(corpus, cache, tmp_path):
+    """The feed guesses the next steps' batches; a rollback that skips batches proves guesses wrong
+    (they are dropped) and a corrupting fault replaces one: bit for bit the run made on demand."""
+    fault = (*ROLLBACK, "faults.corrupt_step=40", "faults.corrupt_kind=repeated")
+    runs = {
+        depth: train_run(corpus, cache, tmp_path / f"p{depth}", *fault, f"data.prefetch={depth}") for depth in (0, 3)
+    }
+    assert (
+        rollback_events(runs[0]) == rollback_events(runs[3]) == [{"step": 40, "to_step": 40, "checkpoint_sound": True}]
+    )
+    assert final_losses(runs[0]) == final_losses(runs[3])
+    for a, b in zip(final_params(runs[0]), final_params(runs[3]), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # Measured (lr x1000 at step 50 of 100, the mean loss of steps 81-100): clean 2.636, rollback 2.634

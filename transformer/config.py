@@ -581,6 +581,9 @@ class DataConfig:
     # splits each document's text (a whole .txt file, a row's text field) into documents, e.g. "\n\n"
     document_separator: str | None = None
     val_source: str | None = None  # validate on this source (any data.source spec) instead of a split
+    # the next steps' batches made on a background thread and put on the devices while a step runs
+    # (transformer/feed.py); 0: each made when its step needs it. Changes no result
+    prefetch: int = 1
     # weighted sources instead of data.source (which must then be left at its default)
     mixture: tuple[MixtureEntry, ...] = ()
     # --- what a batch trains (null: the model family's default, filled in when the run config is
@@ -600,6 +603,7 @@ class DataConfig:
         self._check_mixture()
         _check(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
         _check(self.val_windows >= 1, "val_windows", f"must be >= 1, got {self.val_windows}")
+        _check(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
         _check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
         _check(0.0 <= self.val_fraction < 1.0, "val_fraction", f"must be in [0, 1), got {self.val_fraction}")
         DataSource.parse(self.source)
@@ -1056,6 +1060,7 @@ RUN_BOOKKEEPING = (
     "checkpoint.",
     "mesh.",
     "data.cache_dir",
+    "data.prefetch",
 )
 EXECUTION = ("model.remat", "model.scan_layers", "model.scan_unroll")
 SAFE_ON_RESUME = RUN_BOOKKEEPING + EXECUTION

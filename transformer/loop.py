@@ -21,6 +21,7 @@ from transformer.checkpoint import Checkpointer, CheckpointError, SaveFailed, me
 from transformer.config import Config
 from transformer.data import Data
 from transformer.errors import EXIT_FAILED, first_line
+from transformer.feed import Feed
 from transformer.metrics import Progress, Throughput, device_peak_flops
 from transformer.model.summary import count_params
 from transformer.monitor import COLLAPSE_LOAD, Anomaly, Faults, Monitor, MonitorStop, Recovery
@@ -90,6 +91,8 @@ class TrainLoop:
         self.trainer = Trainer(cfg, self.mesh)
         # compiled here, ahead of the first step, to log (and check) what a device will hold
         self.train_step, self.plan = preflight.start_step(self.trainer, data.train_batch(0, *_process()))
+        put = lambda local: self.trainer.put_batch(local, cfg.train.batch_size)
+        self.feed = Feed(lambda index: data.train_batch(index, *_process()), put, cfg.data.prefetch)
         self.peak = self._announce()
         self.state = start if start is not None else self.trainer.initial_state()
         self.step = int(self.state.step)  # the next step to train
@@ -155,6 +158,7 @@ class TrainLoop:
                 raise
             raise preflight.OutOfMemory(self.plan.too_large(first_line(e)), EXIT_FAILED) from None
         finally:
+            self.feed.close()
             self.profile.close()
             self.progress.close()
             self.writer.close()
@@ -163,9 +167,10 @@ class TrainLoop:
     def train_one(self) -> None:
         """Train step `self.step`, then evaluate, record statistics, checkpoint, roll back or stop as due."""
         step, every = self.step, self.cfg.checkpoint.every
-        batch = self.trainer.put_batch(self.batch(step), self.cfg.train.batch_size)
+        batch = self.batch(step)
         self.profile.before(step)
         self.state, metrics = self.train_step(self.state, batch, self.controls(step))
+        self.feed.ahead(self.recovery.batch_index(s) for s in range(step + 1, self.cfg.train.steps))
         self.profile.after(step + 1, self.state)
         self.observe()
         done = step + 1
@@ -185,10 +190,12 @@ class TrainLoop:
             self.preempt(done, metrics)
         self.step = done
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of the step's batch (past skipped batches; corrupt if a fault says so)."""
-        local = self.data.train_batch(self.recovery.batch_index(step), jax.process_index(), jax.process_count())
-        return self.faults.batch(local, step, self.cfg.model.vocab_size)
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        """The step's batch on the devices: this process's rows of its data batch (past skipped
+        batches), made ahead by the feed unless a fault corrupts it."""
+        local, placed = self.feed.get(self.recovery.batch_index(step))
+        corrupted = self.faults.batch(local, step, self.cfg.model.vocab_size)
+        return placed if corrupted is local else self.trainer.put_batch(corrupted, self.cfg.train.batch_size)
 
     def controls(self, step: int) -> dict:
         """The host's decisions for the step: learning-rate scale, skip limits, injected NaN gradients."""
