@@ -238,6 +238,7 @@ INVALID = [
     (["train.grad_accum=3"], "train.grad_accum", "batch_size"),
     (["model.attn_softcap=30"], "model.attn_softcap", "einsum"),
     (["model.attention_impl=cudnn", "model.dtype=float32"], "model.attention_impl", "model.dtype"),
+    (["data.prefetch=-1"], "data.prefetch", "must be >= 0"),
     (["model.norm_position=sandwhich"], "model.norm_position", "did you mean sandwich?"),
     (["model.norm=batchnorm"], "model.norm", "layernorm, rmsnorm"),
     (["model.n_heads=3", "model.n_kv_heads=3"], "model.n_heads", "model.head_dim"),

@@ -116,6 +116,8 @@ def test_a_run_without_checkpoints_is_started_over_unless_of_another_config(corp
     assert resume_changes(cfg, tmp_path) is None  # a fresh start, not a refusal
     rundir.write_config(tmp_path, load_config(None, args(corpus, cache, "train.steps=20")))
     assert resume_changes(cfg, tmp_path) is None  # a safe change: still ours to start over
+    rundir.write_config(tmp_path, load_config(None, args(corpus, cache, "data.prefetch=0")))
+    assert resume_changes(cfg, tmp_path) is None  # prefetching changes no batch
     rundir.write_config(tmp_path, load_config(None, args(corpus, cache, "model.d_model=64")))
     with pytest.raises(ConfigError, match=r"another config.*d_model"):
         resume_changes(cfg, tmp_path)
