@@ -23,6 +23,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from transformer.accelerator import resolve
 from transformer.config_loader import load_config
 from transformer.model import Transformer
 from transformer.model.summary import kv_cache_bytes_per_token
@@ -46,7 +47,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     P, N = args.context, args.new
-    cfg = load_config(None, [f"data.seq_len={P + N}", *args.overrides]).model
+    cfg = resolve(load_config(None, [f"data.seq_len={P + N}", *args.overrides])).model  # this machine's dtype
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(0), (1, P + N), 0, cfg.vocab_size)
@@ -93,7 +94,7 @@ def main() -> None:
         ("MQA", ["model.n_kv_heads=1"]),
         ("window 128", ["model.window=128"]),
     ):
-        variant = load_config(None, [f"data.seq_len={P}", *args.overrides, *extra]).model
+        variant = resolve(load_config(None, [f"data.seq_len={P}", *args.overrides, *extra])).model
         caches = jax.eval_shape(lambda v=variant: Transformer(v, rngs=nnx.Rngs(0)).init_cache(1, P))
         # every cached array but the positions: K and V, or MLA's latent and rope key
         measured = sum(a.size * a.dtype.itemsize for layer in caches for name, a in layer.items() if name != "pos")

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from throughput import Stepper
 
+from transformer.accelerator import resolve
 from transformer.config import Config
 from transformer.config_loader import load_config
 from transformer.model import Transformer
@@ -57,13 +58,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    base = load_config(args.config, args.overrides)
+    base = resolve(load_config(args.config, args.overrides))  # the dtype and attention this machine runs
     configs = {
-        name: load_config(args.config, [*args.overrides, *extra])
+        name: resolve(load_config(args.config, [*args.overrides, *extra]))
         for name, extra in variants(base.model.head_dim).items()
     }
 
-    print(f"KV cache at {args.context} tokens ({base.model.n_layers} layers, {base.model.dtype}):")
+    print(f"KV cache at {args.context} tokens ({base.model.n_layers} layers, {base.model.compute_dtype}):")
     for name, cfg in configs.items():
         m = cfg.model
         form = "L*(R+E)*bytes*T" if m.attention == "mla" else "2*L*K*H*bytes*T"

@@ -67,6 +67,9 @@ def test_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_a_cpu(platform, d
     # auto's dtype is what auto's attention is chosen for: cuDNN on a GPU needs the bf16 it settles on
     expected = {"gpu": "cudnn" if computed != "float32" else "xla", "cpu": "blocked", "tpu": "xla"}[platform]
     assert resolved.attention_impl == expected
+    # what a run directory records: the dtype settled, the attention implementation still auto's
+    settled = accelerator.settle_dtype(cfg, platform).model
+    assert (settled.dtype, settled.attention_impl) == (computed, "auto")
 
 
 def test_an_unresolved_auto_dtype_computes_as_a_cpu_does():

@@ -1,6 +1,7 @@
 """Sweep files: expansion (grid, zip, seeds, names), validation of every member before any runs,
 the command line, and re-running a half-finished sweep."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 import yaml
 from conftest import ROOT, TINY_SWEEP, read_events
 
+from transformer import rundir
 from transformer.config import ConfigError
 from transformer.config_loader import load_config, load_raw
 from transformer.preflight import work_per_step
@@ -267,6 +269,27 @@ def test_a_member_with_another_config_in_its_directory_is_refused(tmp_path):
     out = _train(path, "--workdir", tmp_path / "runs")
     assert out.returncode == 2 and "lr-0.001" in out.stderr and "model.d_model" in out.stderr, out.stderr
     assert not (member / "events.jsonl").exists()  # refused before anything ran
+
+
+def test_a_member_leaving_the_dtype_to_auto_is_not_refused_for_the_dtype_its_run_recorded(tmp_path):
+    """A run directory records the dtype auto chose where it ran; re-preparing the sweep leaves that
+    to the member's own train.py (which knows its machine) and still refuses a change of shape."""
+    from transformer.sweep import prepare
+
+    s = sweep({"grid": {"optim.lr": [1e-3]}})
+    (member,) = s.members
+    assert member.config.model.dtype == "auto"
+    (tmp_path / member.name).mkdir()
+    for dtype in ("float32", "bfloat16"):
+        rundir.write_config(tmp_path / member.name, _with_model(member.config, dtype=dtype))
+        assert prepare(s, tmp_path) == {member.name: "pending"}
+    rundir.write_config(tmp_path / member.name, _with_model(member.config, d_model=64))
+    with pytest.raises(SweepError, match=r"lr-0\.001.*model\.d_model"):
+        prepare(s, tmp_path)
+
+
+def _with_model(cfg, **changes):
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
 
 
 def test_ffn_study_compares_at_equal_parameter_count():

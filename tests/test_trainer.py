@@ -340,6 +340,7 @@ def test_train_cli_end_to_end(corpus, tmp_path):
     assert "val_bits_per_byte" in val_records[-1] and "val_perplexity" in val_records[-1]
     saved = load_config(workdir / "config.yaml")
     assert saved.model.vocab_size == 259 and saved.train.steps == 30
+    assert saved.model.dtype == "float32"  # what auto chose here, recorded: a resume elsewhere computes in it
     events = [json.loads(line)["event"] for line in (workdir / "events.jsonl").read_text().splitlines()]
     assert events == ["start", "end"]
     assert "unigram baseline" in out.stdout and "MFU" in out.stdout

@@ -2,8 +2,11 @@
 runs, which attention implementation `model.attention_impl: auto` runs, how many layers each
 iteration of the layer scan runs (`model.scan_unroll: null`), and the XLA flags a GPU run gets.
 
-The config a run saves keeps `auto` (it means the same thing on every machine); the model is built
-from `resolve(cfg)`, and the run's start-up line says what was picked and why.
+The model is built from `resolve(cfg)`, and the run's start-up line says what was picked and why.
+The config a run directory saves records the dtype `auto` chose (`settle_dtype`), so that a run
+started on a CPU in float32 is refused, naming `model.dtype`, rather than resumed in bfloat16 on a
+GPU; the attention implementation and the scan's unroll stay `auto` there (every implementation
+computes the same attention; they differ in rounding, as two machines do).
 
 Compute dtype (`model.dtype: auto`, the default): float32 on a CPU (see `choose_dtype`); bfloat16 on a GPU or TPU, with parameters and optimiser state kept in
 `param_dtype` (float32 by default): bf16 compute with f32 master weights, as MaxText and Levanter run.
@@ -121,6 +124,20 @@ def choose_unroll(cfg: Config, platform: str) -> int:
     return m.deepest_stack if platform == "cpu" and m.remat == "none" else 1
 
 
+def settle_dtype(cfg: Config, platform: str | None = None) -> Config:
+    """`cfg` with `model.dtype: auto` decided for `platform` (default: JAX's backend); the rest as it is."""
+    if cfg.model.dtype != "auto":
+        return cfg
+    model = dataclasses.replace(cfg.model, dtype=choose_dtype(cfg, platform or _backend()))  # type: ignore[arg-type]
+    return dataclasses.replace(cfg, model=model)
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
 def resolve(cfg: Config, platform: str | None = None) -> Config:
     """`cfg` with what it leaves to the platform (`model.dtype: auto`, `model.attention_impl: auto`,
     `model.scan_unroll: null`) decided by `choose_dtype`, `choose_attention` and `choose_unroll` for
@@ -128,10 +145,7 @@ def resolve(cfg: Config, platform: str | None = None) -> Config:
     m = cfg.model
     if m.dtype != "auto" and m.attention_impl != "auto" and m.scan_unroll is not None:
         return cfg
-    if platform is None:
-        import jax
-
-        platform = jax.default_backend()
+    platform = platform or _backend()
     impl = choose_attention(cfg, platform)[0] if m.attention_impl == "auto" else m.attention_impl
     unroll = choose_unroll(cfg, platform) if m.scan_unroll is None else m.scan_unroll
     settled = dataclasses.replace(m, dtype=choose_dtype(cfg, platform), attention_impl=impl, scan_unroll=unroll)  # type: ignore[arg-type]

@@ -400,9 +400,10 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 
 def _check_sampling(args: argparse.Namespace, cfg: Config, n_prompts: int) -> None:
     """The sampling flags against the model: k within its vocabulary, the KV cache within memory."""
+    from transformer.accelerator import resolve
     from transformer.sharding import check_generation_memory
 
-    model = cfg.model
+    model = resolve(cfg).model  # the KV cache in the dtype this machine computes in
     if args.top_k is not None and args.top_k > model.vocab_size:
         _fail("eval.py", f"--top-k {args.top_k} is larger than the run's vocabulary of {model.vocab_size} tokens")
     check_generation_memory(model, n_prompts, args.max_new_tokens)

@@ -1060,9 +1060,8 @@ RUN_BOOKKEEPING = (
     "checkpoint.",
     "mesh.",
     "data.cache_dir",
-    "data.prefetch",
 )
-EXECUTION = ("model.remat", "model.scan_layers", "model.scan_unroll")
+EXECUTION = ("model.remat", "model.scan_layers", "model.scan_unroll", "data.prefetch")
 SAFE_ON_RESUME = RUN_BOOKKEEPING + EXECUTION
 
 

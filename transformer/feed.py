@@ -57,9 +57,8 @@ class Feed:
 
     def close(self) -> None:
         """Drop what was made ahead and stop the thread (a failure making it is not this run's concern
-        any more: the loop only raises for batches it trains on)."""
-        for future in self.futures.values():
-            future.cancel()
+        any more: the loop only raises for batches it trains on). Waits for the batch being made, if
+        any (one batch, milliseconds), so that no copy to the devices outlives the loop."""
         self.futures.clear()
         if self.pool is not None:
-            self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=True, cancel_futures=True)

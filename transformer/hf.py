@@ -744,7 +744,8 @@ def abstract_params(m: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> di
 
 def load_model(path: str | Path, **options: Any):
     """(ModelConfig, Transformer) of the checkpoint at `path`, on one device. For notebooks and tests:
-    `m, model = load_model("Qwen3-0.6B")`; `model(tokens)` gives logits."""
+    `m, model = load_model("Qwen3-0.6B")`; `model(tokens)` gives logits, computed in float32 unless
+    `dtype="bfloat16"` is given (a bare ModelConfig's `auto` computes as a CPU does)."""
     from flax import nnx
 
     from transformer.model import Transformer
@@ -824,12 +825,13 @@ def sample(path: Path, prompts: list[str], sampling) -> list[str]:
     """`eval.py --hf PATH --generate ...`: continuations of the prompts, with PATH's tokenizer."""
     from flax import nnx
 
+    from transformer.accelerator import resolve
     from transformer.data import cache_directory, make_tokenizer
     from transformer.evaluate import checked_prompts, complete
     from transformer.model import Transformer
     from transformer.objectives import Vocab
 
-    cfg = run_config(path)
+    cfg = resolve(run_config(path))  # the dtype and attention this machine runs
     vocab = Vocab(make_tokenizer(cfg.data, None, cache_directory(cfg.data)))
     encoded = checked_prompts(cfg, vocab, prompts, sampling)
     params = load_params(path, cfg.model, abstract_params(cfg.model))

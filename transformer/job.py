@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from transformer import rundir, sharding
-from transformer.accelerator import resolve
+from transformer.accelerator import settle_dtype
 from transformer.checkpoint import Checkpointer, check_writable, partial_writes
 from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data, prepare
@@ -69,8 +69,8 @@ def _run(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult:
     checkpointer = Checkpointer(workdir, cfg.checkpoint)
     try:
         start, monitor_state = begin(cfg, mesh, workdir, checkpointer, leftovers, changes, log)
-        if lead:
-            rundir.write_config(workdir, cfg)
+        if lead:  # with the dtype auto chose here: a resume elsewhere must compute in the same one
+            rundir.write_config(workdir, settle_dtype(cfg))
         if start is not None and int(start.step) >= cfg.train.steps:
             return conclude(cfg, workdir, start, log)
         with StopSignal() as stop:
@@ -130,10 +130,13 @@ def resume_changes(cfg: Config, workdir: Path) -> list[str] | None:
 
 
 def _changes(saved: Config, cfg: Config) -> tuple[list[str], list[str]]:
-    """`config_changes` between the saved and the new config as this machine would compute them: what
-    `auto` leaves to the platform is settled on both sides, so a run saved with `model.dtype: float32`
-    resumes under `auto` on a CPU, and is refused under it on a GPU, where it would compute in bfloat16."""
-    return config_changes(resolve(saved), resolve(cfg.with_vocab(saved.model.vocab_size)))
+    """`config_changes` between the saved and the new config, with `model.dtype: auto` settled for this
+    machine where the two differ in it: a run saved in float32 resumes under `auto` on a CPU, and is
+    refused under it on a GPU, where it would compute in bfloat16."""
+    cfg = cfg.with_vocab(saved.model.vocab_size)
+    if saved.model.dtype != cfg.model.dtype:
+        saved, cfg = settle_dtype(saved), settle_dtype(cfg)
+    return config_changes(saved, cfg)
 
 
 def begin(

@@ -328,7 +328,7 @@ def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
     for m in sweep.members:
         if rundir.has_config(workdir / m.name):
             saved = rundir.read_config(workdir / m.name)
-            unsafe, _ = config_changes(saved, m.config.with_vocab(saved.model.vocab_size))
+            unsafe, _ = config_changes(saved, _as_saved_dtype(m.config, saved).with_vocab(saved.model.vocab_size))
             if unsafe:
                 raise SweepError(
                     "",
@@ -340,6 +340,15 @@ def prepare(sweep: Sweep, workdir: Path) -> dict[str, str]:
         atomic_write(member_config_path(workdir, m.name), m.config.to_yaml())
     atomic_write(workdir / MANIFEST, json.dumps(sweep.manifest(), indent=1))
     return {m.name: rundir.status(workdir / m.name, m.config.train.steps) for m in sweep.members}
+
+
+def _as_saved_dtype(member: Config, saved: Config) -> Config:
+    """A member leaving `model.dtype` to `auto` is not refused here for the dtype its run directory
+    recorded: auto is decided by the machine the member's train.py runs on (which refuses there if it
+    is not the saved one), and deciding it in this process would take the accelerator from the runs."""
+    if member.model.dtype != "auto":
+        return member
+    return dataclasses.replace(member, model=dataclasses.replace(member.model, dtype=saved.model.dtype))
 
 
 def print_commands(sweep: Sweep, workdir: Path, log: Callable[[str], None] = print) -> None:
