@@ -131,12 +131,9 @@ def resume_changes(cfg: Config, workdir: Path) -> list[str] | None:
 
 def _changes(saved: Config, cfg: Config) -> tuple[list[str], list[str]]:
     """`config_changes` between the saved and the new config, with `model.dtype: auto` settled for this
-    machine where the two differ in it: a run saved in float32 resumes under `auto` on a CPU, and is
-    refused under it on a GPU, where it would compute in bfloat16."""
-    cfg = cfg.with_vocab(saved.model.vocab_size)
-    if saved.model.dtype != cfg.model.dtype:
-        saved, cfg = settle_dtype(saved), settle_dtype(cfg)
-    return config_changes(saved, cfg)
+    machine on both sides: a run saved in float32 resumes under `auto` on a CPU, and is refused under
+    it on a GPU, where it would compute in bfloat16."""
+    return config_changes(settle_dtype(saved), settle_dtype(cfg.with_vocab(saved.model.vocab_size)))
 
 
 def begin(
