@@ -411,9 +411,9 @@ def _check_sampling(args: argparse.Namespace, cfg: Config, n_prompts: int) -> No
 
 def _export_main(args: argparse.Namespace) -> int:
     from transformer.evaluate import note
-    from transformer.hf import export_run
+    from transformer.pretrained import export_hf
 
-    print(export_run(Path(args.workdir), args.step, Path(args.export_hf), note))
+    print(export_hf(Path(args.workdir), args.step, Path(args.export_hf), note))
     return 0
 
 
@@ -434,16 +434,18 @@ def _fill_mask_main(args: argparse.Namespace) -> int:
 
 
 def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
-    from transformer import evaluate, hf
+    from transformer import evaluate, pretrained
     from transformer.generate import SamplingConfig
 
-    cfg = evaluate.run_config(Path(args.workdir), []) if args.hf is None else hf.run_config(Path(args.hf))
+    cfg = (
+        evaluate.run_config(Path(args.workdir), []) if args.hf is None else pretrained.pretrained_config(Path(args.hf))
+    )
     _check_sampling(args, cfg, len(prompts))
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     if args.hf is None:
         texts = evaluate.sample(Path(args.workdir), prompts, sampling, args.step)
     else:
-        texts = hf.sample(Path(args.hf), prompts, sampling)
+        texts = pretrained.sample_pretrained(Path(args.hf), prompts, sampling)
     if args.json:
         print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)]))
     else:
@@ -456,12 +458,12 @@ def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
 
 
 def _evaluate_main(args: argparse.Namespace) -> int:
-    from transformer import evaluate, hf
+    from transformer import evaluate, pretrained
 
     if args.hf is None:
         result = evaluate.evaluate(Path(args.workdir), args.step, args.overrides, args.split, args.batches)
     else:
-        result = hf.evaluate(Path(args.hf), args.overrides, args.split, args.batches)
+        result = pretrained.evaluate_pretrained(Path(args.hf), args.overrides, args.split, args.batches)
     if args.json:
         print(json.dumps(result))
     else:

@@ -15,6 +15,9 @@ array is made. On a CPU that host array becomes the device buffer itself (no cop
 copied to the devices and let go. Either way the host holds the model at most once, plus one
 parameter. No torch.
 
+The commands that use a whole checkpoint (`eval.py --hf`, `--export-hf`) are `pretrained.py`'s: they
+run the trainer and the evaluation, which read weights through this module, so they sit above both.
+
 Axis legend as in model/layers.py; HF linear weights are [out, in], GPT-2's Conv1D ones [in, out].
 """
 
@@ -757,13 +760,12 @@ def load_model(path: str | Path, **options: Any):
     return m, nnx.merge(graphdef, params)
 
 
-# --- the command-line paths: train.py model.init_from=PATH, eval.py --hf PATH / --export-hf OUT -------------
+# --- a config that starts from a checkpoint: train.py model.init_from=PATH --------------------------------
 
 
 def _written_keys(config_path: str | None, overrides: list[str]) -> dict[str, Any]:
     """The flattened keys the user's config (file chain and overrides) sets to values of its own: those
     that differ from the embedded default config's, which stands in for what nobody wrote."""
-    from transformer.config import flatten
     from transformer.config_loader import load_raw
 
     written, default = flatten(load_raw(config_path, overrides)), flatten(load_raw(None))
@@ -795,69 +797,3 @@ def with_pretrained(cfg: Config, config_path: str | None = None, overrides: Sequ
         data = dataclasses.replace(data, tokenizer=f"pretrained:{path}")
     model = dataclasses.replace(cfg.model, **arch)
     return dataclasses.replace(cfg, model=model, data=data)
-
-
-def run_config(path: Path, overrides: Sequence[str] = ()) -> Config:
-    """What `eval.py --hf PATH` evaluates with: the default config with model.init_from=PATH, and the
-    overrides (data.source=..., mesh.*)."""
-    from transformer.config_loader import load_config
-
-    given = [f"model.init_from={path}", *overrides]
-    return with_pretrained(load_config(None, given), None, given)
-
-
-def _params_on_mesh(cfg: Config, path: Path, trainer) -> dict:
-    return load_params(path, cfg.model, trainer.abstract_state().params)
-
-
-def evaluate(path: Path, overrides: Sequence[str] = (), split: str = "val", batches: int | None = None) -> dict:
-    """`eval.py --hf PATH`: as `evaluate.evaluate` of a run, at step 0, on the config's data."""
-    from transformer import sharding
-    from transformer.evaluate import evaluate_params
-    from transformer.trainer import Trainer
-
-    cfg = run_config(path, overrides)
-    trainer = Trainer(cfg, sharding.make_mesh(cfg))
-    return evaluate_params(cfg, trainer, _params_on_mesh(cfg, path, trainer), 0, None, split, batches)
-
-
-def sample(path: Path, prompts: list[str], sampling) -> list[str]:
-    """`eval.py --hf PATH --generate ...`: continuations of the prompts, with PATH's tokenizer."""
-    from flax import nnx
-
-    from transformer.accelerator import resolve
-    from transformer.data import cache_directory, make_tokenizer
-    from transformer.evaluate import checked_prompts, complete
-    from transformer.model import Transformer
-    from transformer.objectives import Vocab
-
-    cfg = resolve(run_config(path))  # the dtype and attention this machine runs
-    vocab = Vocab(make_tokenizer(cfg.data, None, cache_directory(cfg.data)))
-    encoded = checked_prompts(cfg, vocab, prompts, sampling)
-    params = load_params(path, cfg.model, abstract_params(cfg.model))
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
-    return complete(cfg, nnx.merge(graphdef, params), vocab, encoded, sampling)
-
-
-def export_run(workdir: Path, step: int | None, out: Path, note: Callable[[str], None]) -> str:
-    """`eval.py --workdir RUN [--step N] --export-hf OUT`: the checkpoint as a Hugging Face model
-    directory, with the run's tokenizer; returns a line saying what was written."""
-    from flax import nnx
-
-    from transformer.checkpoint import load
-    from transformer.data import cache_directory, make_tokenizer
-    from transformer.evaluate import run_config as saved_config
-
-    cfg = saved_config(workdir, [])
-    family = export_family(cfg.model)  # refuse before reading anything
-    if out.exists() and any(out.iterdir()):
-        raise HFError("--export-hf", f"{out} exists and is not empty: give a new directory")
-    tokenizer = make_tokenizer(cfg.data, workdir, cache_directory(cfg.data))
-    _, model = load(workdir, step, note)
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
-    save(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, ids)
-    written = [CONFIG_JSON, WEIGHTS]
-    for name, text in tokenizer.files().items():
-        (out / name).write_text(text)
-        written.append(name)
-    return f"wrote {out} ({family.name}): {', '.join(written)}"

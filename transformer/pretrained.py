@@ -1,0 +1,88 @@
+"""The commands that take a Hugging Face model directory as a whole: `eval.py --hf PATH` (evaluate,
+sample) and `eval.py --workdir RUN --export-hf OUT`. The format itself (config.json, tensors) is
+`hf.py`'s; these sit above the trainer and the evaluation they run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from transformer.config import Config
+from transformer.hf import (
+    CONFIG_JSON,
+    WEIGHTS,
+    HFError,
+    abstract_params,
+    export_family,
+    load_params,
+    save,
+    with_pretrained,
+)
+
+
+def pretrained_config(path: Path, overrides: Sequence[str] = ()) -> Config:
+    """What `eval.py --hf PATH` evaluates with: the default config with model.init_from=PATH, and the
+    overrides (data.source=..., mesh.*)."""
+    from transformer.config_loader import load_config
+
+    given = [f"model.init_from={path}", *overrides]
+    return with_pretrained(load_config(None, given), None, given)
+
+
+def _params_on_mesh(cfg: Config, path: Path, trainer) -> dict:
+    return load_params(path, cfg.model, trainer.abstract_state().params)
+
+
+def evaluate_pretrained(
+    path: Path, overrides: Sequence[str] = (), split: str = "val", batches: int | None = None
+) -> dict:
+    """`eval.py --hf PATH`: as `evaluate.evaluate` of a run, at step 0, on the config's data."""
+    from transformer import sharding
+    from transformer.evaluate import evaluate_params
+    from transformer.trainer import Trainer
+
+    cfg = pretrained_config(path, overrides)
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
+    return evaluate_params(cfg, trainer, _params_on_mesh(cfg, path, trainer), 0, None, split, batches)
+
+
+def sample_pretrained(path: Path, prompts: list[str], sampling) -> list[str]:
+    """`eval.py --hf PATH --generate ...`: continuations of the prompts, with PATH's tokenizer."""
+    from flax import nnx
+
+    from transformer.accelerator import resolve
+    from transformer.data import cache_directory, make_tokenizer
+    from transformer.evaluate import checked_prompts, complete
+    from transformer.model import Transformer
+    from transformer.objectives import Vocab
+
+    cfg = resolve(pretrained_config(path))  # the dtype and attention this machine runs
+    vocab = Vocab(make_tokenizer(cfg.data, None, cache_directory(cfg.data)))
+    encoded = checked_prompts(cfg, vocab, prompts, sampling)
+    params = load_params(path, cfg.model, abstract_params(cfg.model))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    return complete(cfg, nnx.merge(graphdef, params), vocab, encoded, sampling)
+
+
+def export_hf(workdir: Path, step: int | None, out: Path, note: Callable[[str], None]) -> str:
+    """`eval.py --workdir RUN [--step N] --export-hf OUT`: the checkpoint as a Hugging Face model
+    directory, with the run's tokenizer; returns a line saying what was written."""
+    from flax import nnx
+
+    from transformer.checkpoint import load
+    from transformer.data import cache_directory, make_tokenizer
+    from transformer.evaluate import run_config
+
+    cfg = run_config(workdir, [])
+    family = export_family(cfg.model)  # refuse before reading anything
+    if out.exists() and any(out.iterdir()):
+        raise HFError("--export-hf", f"{out} exists and is not empty: give a new directory")
+    tokenizer = make_tokenizer(cfg.data, workdir, cache_directory(cfg.data))
+    _, model = load(workdir, step, note)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    save(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, ids)
+    written = [CONFIG_JSON, WEIGHTS]
+    for name, text in tokenizer.files().items():
+        (out / name).write_text(text)
+        written.append(name)
+    return f"wrote {out} ({family.name}): {', '.join(written)}"
