@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from throughput import preset_path, random_batch
 
 from transformer import sharding
-from transformer.checkpoint import Checkpointer, meta_record
 from transformer.config_loader import load_config
+from transformer.io.checkpoint import Checkpointer, meta_record
 from transformer.model.summary import count_params
-from transformer.trainer import Trainer, default_controls
+from transformer.train.trainer import Trainer, default_controls
 
 
 def dir_bytes(path: Path) -> int:

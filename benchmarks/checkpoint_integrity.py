@@ -24,8 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer import checkpoint, rundir, sharding
-from transformer.trainer import Trainer
+from transformer import rundir, sharding
+from transformer.io import checkpoint
+from transformer.train.trainer import Trainer
 
 
 def flip_one_byte(run: Path, step: int, rng: random.Random) -> None:

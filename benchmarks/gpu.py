@@ -5,9 +5,9 @@ attention implementation; `--table` turns the cells `benchmarks/gpu.sh` collecte
     python benchmarks/gpu.py --table results.jsonl                                         # the table
 
 Models at T=2048, bf16 compute with float32 parameters and AdamW state, random tokens (this measures
-the step, not the data pipeline). The step is planned first (`transformer/preflight.py`): a model
+the step, not the data pipeline). The step is planned first (`transformer/train/preflight.py`): a model
 whose step does not fit is retried with `model.remat=full`, and the table says which ran. MFU is
-against the device's datasheet bf16 dense peak (`transformer/metrics.py`), with the model summary's
+against the device's datasheet bf16 dense peak (`transformer/train/metrics.py`), with the model summary's
 FLOPs per token. Peak memory is the device allocator's high-water mark (`memory_stats`), which is why
 each cell runs in its own process. `--tiny` shrinks every model to a few thousand parameters so that
 the script itself can be checked on a CPU; its figures mean nothing.
@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from throughput import Stepper
 
-from transformer import accelerator, preflight, sharding
+from transformer import accelerator, sharding
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
-from transformer.metrics import device_peak_flops
 from transformer.model.summary import count_params, flops_per_token
+from transformer.train import preflight
+from transformer.train.metrics import device_peak_flops
 
 COMMON = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.seq_len=2048", "optim.name=adamw"]
 MODELS = {  # GPT-2 small / medium (learned positions, LayerNorm, GELU, tied) and a Llama-3.2-1B shape

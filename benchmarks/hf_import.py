@@ -4,7 +4,7 @@
 
 Writes a ~1B-parameter Llama-shaped checkpoint of random weights with safetensors' numpy API (no
 torch), sharded in four files with an index as the Hub has them, then imports it with
-`transformer.hf.load_model` in a fresh process per repeat, each reporting its wall time and its peak
+`transformer.io.hf.load_model` in a fresh process per repeat, each reporting its wall time and its peak
 resident set (`VmHWM`: the model's own parameters included, since on a CPU they live in host
 memory). The target is a peak of at most 1.3x the checkpoint's size: no second full copy. The
 checkpoint is deleted at the end unless --keep.
@@ -96,7 +96,7 @@ def hwm():  # this process's peak resident set (VmHWM; ru_maxrss would carry the
     return int(line.split()[1]) * 1024
 
 import jax
-from transformer import hf
+from transformer.io import hf
 from transformer.model.summary import count_params
 base = hwm()
 t1 = time.perf_counter()

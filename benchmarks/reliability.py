@@ -113,7 +113,7 @@ def same_run(workdir: Path, ref: Path) -> bool:
     import numpy as np
     from flax import nnx
 
-    from transformer.checkpoint import load
+    from transformer.io.checkpoint import load
 
     leaves = [jax.tree.leaves(nnx.to_pure_dict(nnx.state(load(w)[1]))) for w in (workdir, ref)]
     same_params = len(leaves[0]) == len(leaves[1]) and all(

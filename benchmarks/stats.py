@@ -24,7 +24,7 @@ from throughput import random_batch
 
 from transformer import sharding
 from transformer.config_loader import load_config
-from transformer.trainer import Trainer, default_controls
+from transformer.train.trainer import Trainer, default_controls
 
 
 def mean_step(every: int, steps: int) -> float:

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from transformer import sharding
 from transformer.config import DEFAULT_CONFIG
 from transformer.config_loader import load_config
-from transformer.metrics import device_peak_flops
 from transformer.model.summary import count_params, flops_per_token
-from transformer.trainer import Trainer, default_controls
+from transformer.train.metrics import device_peak_flops
+from transformer.train.trainer import Trainer, default_controls
 
 PRESETS = Path(__file__).resolve().parent.parent / "configs" / "presets"
 

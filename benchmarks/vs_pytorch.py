@@ -33,10 +33,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer import preflight, sharding
+from transformer import sharding
 from transformer.config_loader import load_config
-from transformer.metrics import measure_cpu_matmul_peak
-from transformer.trainer import Trainer, default_controls
+from transformer.train import preflight
+from transformer.train.metrics import measure_cpu_matmul_peak
+from transformer.train.trainer import Trainer, default_controls
 
 try:
     import torch

@@ -10,7 +10,7 @@ untransposed tensor shows in the logits), saved with `save_pretrained` (config.j
 model.safetensors), and reference.safetensors holding input ids and transformers' float32 logits.
 The llama and gpt2 fixtures also carry a small byte-level BPE tokenizer in the HF layout.
 
-Verification: each fixture imported with transformer.hf, exported again, loaded back with
+Verification: each fixture imported with transformer.io.hf, exported again, loaded back with
 AutoModelForCausalLM.from_pretrained: its logits must equal the reference; and a model of this
 framework (random init) of each exportable kind is exported and its logits compared with
 transformers'.
@@ -181,8 +181,8 @@ def verify() -> bool:
     import jax
     from flax import nnx
 
-    from transformer import hf
     from transformer.config import ModelConfig
+    from transformer.io import hf
     from transformer.model import Transformer
 
     jax.config.update("jax_default_matmul_precision", "highest")

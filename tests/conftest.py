@@ -100,7 +100,7 @@ read_events = rundir.read_events
 
 def final_params(workdir: Path, step: int | None = None) -> list:
     """The leaves of a run's parameters at its latest (or given) checkpoint."""
-    from transformer.checkpoint import load
+    from transformer.io.checkpoint import load
 
     _, model = load(workdir, step)
     return jax.tree.leaves(nnx.to_pure_dict(nnx.state(model)))

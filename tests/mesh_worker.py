@@ -13,11 +13,12 @@ import sys
 
 import jax
 
-from transformer import preflight, sharding
+from transformer import sharding
 from transformer.config_loader import load_config
 from transformer.data import prepare
-from transformer.loop import train
-from transformer.trainer import Trainer
+from transformer.train import preflight
+from transformer.train.loop import train
+from transformer.train.trainer import Trainer
 
 
 def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:

@@ -12,7 +12,7 @@ from transformer import accelerator, sharding
 from transformer.config import Config, DataConfig, ModelConfig
 from transformer.config_loader import load_config
 from transformer.data import prepare
-from transformer.loop import train
+from transformer.train.loop import train
 
 
 def _cfg(document_mask=False, **model) -> Config:

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from conftest import ROOT, assert_bitwise_equal, final_params, logged, read_events, tiny_run_overrides, write_corpus
 
-from transformer.checkpoint import CheckpointError, load
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
-from transformer.job import run
+from transformer.io.checkpoint import CheckpointError, load
+from transformer.train.job import run
 
 
 @pytest.fixture(scope="session")
@@ -277,8 +277,8 @@ def test_unwritable_checkpoint_directory(corpus, cache, straight, tmp_path):
 def test_keep_latest_and_best(corpus, cache, tmp_path):
     """Kept: the latest `keep` checkpoints plus the `keep_best` best by validation loss, also after a
     resume (a new process must still know each kept checkpoint's validation loss)."""
-    from transformer.checkpoint import Checkpointer
     from transformer.config import CheckpointConfig
+    from transformer.io.checkpoint import Checkpointer
 
     workdir = tmp_path / "run"
     policy = (
@@ -312,7 +312,7 @@ def test_resuming_a_finished_run_says_so(corpus, cache, straight, tmp_path):
 
 @pytest.mark.slow
 def test_non_finite_state_is_never_saved(corpus, cache, tmp_path):
-    from transformer.monitor import MonitorStop
+    from transformer.train.monitor import MonitorStop
 
     workdir = tmp_path / "run"
     with pytest.raises(MonitorStop, match="non-finite steps in a row"):  # the monitor gives up, too
@@ -374,8 +374,8 @@ def raw_arrays(workdir: Path, step: int, item: str = "params") -> list[np.ndarra
     them back (no checksums checked)."""
     import orbax.checkpoint as ocp
 
-    from transformer.checkpoint import Checkpointer
     from transformer.config import CheckpointConfig
+    from transformer.io.checkpoint import Checkpointer
 
     ckpt = Checkpointer(workdir, CheckpointConfig(), read_only=True)
     try:
@@ -415,8 +415,8 @@ def rewrite_one_parameter(workdir: Path, step: int) -> None:
     """Replace the step's state item by a valid orbax item whose first parameter differs in one value."""
     import orbax.checkpoint as ocp
 
-    from transformer.checkpoint import Checkpointer
     from transformer.config import CheckpointConfig
+    from transformer.io.checkpoint import Checkpointer
 
     ckpt = Checkpointer(workdir, CheckpointConfig(), read_only=True)
     try:
@@ -449,7 +449,7 @@ def test_flipped_byte_is_detected_and_the_run_resumes_bitwise_from_the_previous(
 
 
 def test_checksums_see_every_element_and_no_sharding():
-    from transformer.checkpoint import tree_checksums, verify_checksums
+    from transformer.io.checkpoint import tree_checksums, verify_checksums
 
     tree = {"w": jax.numpy.arange(24, dtype=jax.numpy.float32).reshape(4, 6), "b": jax.numpy.ones(3, "bfloat16")}
     saved = tree_checksums(tree)
@@ -512,8 +512,8 @@ def test_a_failed_async_write_is_reported_for_its_own_step(tmp_path, monkeypatch
 
     from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
 
-    from transformer.checkpoint import Checkpointer, SaveFailed
     from transformer.config import CheckpointConfig
+    from transformer.io.checkpoint import Checkpointer, SaveFailed
 
     real = handler.JsonCheckpointHandler._save_fn
 
@@ -556,8 +556,8 @@ def test_garbage_in_a_kept_best_record_is_repaired_on_resume(corpus, cache, ten,
 
 
 def test_garbage_in_a_kept_best_record_without_a_logged_loss_is_set_aside(tmp_path):
-    from transformer.checkpoint import Checkpointer
     from transformer.config import CheckpointConfig
+    from transformer.io.checkpoint import Checkpointer
 
     ckpt = Checkpointer(tmp_path, CheckpointConfig(async_=False))
     ckpt.save(1, {"w": jax.numpy.ones(4)}, {}, val_loss=2.0, wait=True)

@@ -16,7 +16,7 @@ from transformer import sharding
 from transformer.config import Config, ConfigError
 from transformer.config_loader import load_config
 from transformer.data import prepare
-from transformer.loop import train
+from transformer.train.loop import train
 
 STEPS = 2
 

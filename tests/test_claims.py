@@ -17,7 +17,7 @@ import yaml
 from conftest import ROOT, TINY_SWEEP
 
 from transformer import rundir
-from transformer.claims import Claim, claim_path, read_claim, run_claimed
+from transformer.sweep.claims import Claim, claim_path, read_claim, run_claimed
 
 
 def write_claim(member, host="elsewhere", pid=1, token="old", age=0.0, **more):

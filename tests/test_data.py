@@ -947,8 +947,8 @@ def test_builtin_stdlib(stdlib_data):
     "options", ["", "pairs=4,distance=20", "shuffle=1,pairs=6,distance=30", "pairs=26,distance=78"]
 )
 def test_recall_answers_are_in_the_input_at_the_stated_distance(options):
+    from transformer.data.tokenizer import ByteTokenizer
     from transformer.synthetic import KEYS, VALUES, RecallTask
-    from transformer.tokenizer import ByteTokenizer
 
     task = RecallTask.parse(options)
     docs = task.documents("val")
@@ -1526,7 +1526,7 @@ def test_per_source_val_losses_equal_evaluating_each_source_alone(sources, tmp_p
 
     from transformer import sharding
     from transformer.config_loader import load_config
-    from transformer.trainer import Trainer
+    from transformer.train.trainer import Trainer
 
     mixed = mixture(sources, tmp_path, val_windows=6)
     data = D.prepare(mixed, 4, seed=0, log=quiet())
@@ -1584,8 +1584,8 @@ def _mixture_run(directory: Path, name: str, lr: float, records: list[dict]) -> 
 
 
 def test_the_report_has_a_column_per_mixture_source(tmp_path):
-    from transformer.render import table
     from transformer.report import build
+    from transformer.report.render import table
 
     def val(code: float, prose: float) -> dict:
         return {"loss": 3.0, "val_loss": 0.5 * (code + prose), "val/code/loss": code, "val/prose/loss": prose}
@@ -1602,8 +1602,8 @@ def test_the_report_has_a_column_per_mixture_source(tmp_path):
 
 
 def test_the_report_has_no_source_columns_without_a_mixture(tmp_path):
-    from transformer.render import COLUMNS, table
     from transformer.report import build
+    from transformer.report.render import COLUMNS, table
 
     for lr in (0.001, 0.002):
         _mixture_run(tmp_path, f"r{lr}", lr, [{"loss": 3.0, "val_loss": 2.0}])

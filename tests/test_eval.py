@@ -12,7 +12,7 @@ from conftest import ROOT, write_corpus
 
 from transformer.cli import eval_main
 from transformer.config_loader import load_config
-from transformer.job import run
+from transformer.train.job import run
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_eval_of_a_mixture_gives_each_sources_loss_as_the_training_log(trained_m
 
 def test_eval_of_a_mixture_on_the_training_split_reads_each_sources_training_windows(trained_mixture, capsys):
     from transformer.data import prepare
-    from transformer.evaluate import run_config, split_windows
+    from transformer.eval.evaluate import run_config, split_windows
 
     val = eval_json(capsys, "--workdir", str(trained_mixture))
     train = eval_json(capsys, "--workdir", str(trained_mixture), "--split", "train")
@@ -288,7 +288,7 @@ def test_overrides_that_change_parameter_shapes_are_refused_naming_the_key(run_d
     ],
 )
 def test_overrides_that_keep_parameter_shapes_pass_the_check(run_dir, override):
-    from transformer.evaluate import run_config
+    from transformer.eval.evaluate import run_config
 
     assert run_config(run_dir, [override]) is not None
 
@@ -301,9 +301,9 @@ def test_a_prompts_file_that_is_not_utf8_is_one_line(run_dir, tmp_path, capsys):
 
 def test_a_prompt_the_bpe_cannot_take_is_one_line_naming_it():
     from transformer.config import ConfigError
-    from transformer.evaluate import encode_prompts
-    from transformer.objectives import Vocab
-    from transformer.tokenizer import train_bpe
+    from transformer.data.objectives import Vocab
+    from transformer.data.tokenizer import train_bpe
+    from transformer.eval.evaluate import encode_prompts
 
     tok = Vocab(train_bpe(iter(["hello world, a few words of text"] * 20), 300))
     bad = b"caf\xff".decode("utf-8", errors="surrogateescape")  # what argv holds for undecodable bytes
@@ -322,7 +322,7 @@ def test_a_shape_override_on_a_trained_run_is_one_line_not_an_orbax_traceback(tr
 def test_a_run_this_backend_cannot_run_is_refused_naming_the_override_that_would(tmp_path):
     from transformer import rundir
     from transformer.config import ConfigError
-    from transformer.evaluate import run_config
+    from transformer.eval.evaluate import run_config
 
     # a float16 run from a GPU, evaluated on a CPU, whose XLA has no float16 dot with float32 accumulation
     rundir.write_config(tmp_path, load_config(None, ["model.dtype=float16"]))

@@ -12,7 +12,7 @@ from conftest import build, tiny
 from flax import nnx
 
 from transformer.config import ModelConfig
-from transformer.generate import SamplingConfig, fill_mask, generate_seq2seq
+from transformer.eval.generate import SamplingConfig, fill_mask, generate_seq2seq
 from transformer.model.attention import attention_mask
 from transformer.model.cross_attention import Memory
 from transformer.model.summary import (

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, assert_bitwise_equal, final_params, logged
 
 from transformer.config_loader import load_config
-from transformer.job import run
+from transformer.train.job import run
 
 RECALL = "builtin:recall:pairs=4,distance=24,train_docs=2000,val_docs=50"
 PAIRS = "builtin:seq2seq:task=reverse,max_len=6,train_docs=4000,val_docs=100"

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from transformer.feed import Feed
+from transformer.train.feed import Feed
 
 
 class Maker:

@@ -12,7 +12,7 @@ from transformer.config import ModelConfig
 from transformer.config_loader import load_config
 from transformer.model.attention import attend_einsum, attention_mask
 from transformer.model.flash import Mask, blocked_attention, blocks
-from transformer.trainer import Trainer, default_controls
+from transformer.train.trainer import Trainer, default_controls
 
 T, H, BLOCK = 21, 8, 8  # three query blocks, the last one short
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import ATTENTION_VARIANTS, NORM_POSITIONS, POSITIONS, build, tiny
 from flax import nnx
 
-from transformer.generate import SamplingConfig, generate, left_pad, sample_logits
+from transformer.eval.generate import SamplingConfig, generate, left_pad, sample_logits
 from transformer.model.summary import kv_cache_bytes_per_token
 
 # Every attention variant with every position encoding; norm placements cycle through the grid so

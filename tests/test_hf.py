@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (transformer/hf.py), against the tiny fixtures that
+"""Hugging Face checkpoints in and out (transformer/io/hf.py), against the tiny fixtures that
 scripts/make_hf_fixtures.py made with transformers: same logits, exact round trips, one-line refusals."""
 
 import dataclasses
@@ -16,8 +16,8 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from transformer import hf
 from transformer.config import ModelConfig
+from transformer.io import hf
 from transformer.model import Transformer
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
@@ -164,7 +164,7 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_refused_naming_the_tensor(
 
 
 def test_a_pretrained_tokenizer_uses_the_special_tokens_its_directory_names():
-    from transformer.tokenizer import load_pretrained
+    from transformer.data.tokenizer import load_pretrained
 
     tok = load_pretrained(str(FIXTURES / "llama"))
     end = tok.tok.token_to_id("<|endoftext|>")
@@ -243,7 +243,7 @@ def test_fine_tune_from_a_checkpoint_then_export_it(tmp_path, capsys):
 
 
 def test_the_byte_tokenizer_exports_as_a_hugging_face_tokenizer_of_the_same_ids():
-    from transformer.tokenizer import ByteTokenizer, HFTokenizer
+    from transformer.data.tokenizer import ByteTokenizer, HFTokenizer
 
     byte = ByteTokenizer()
     exported = HFTokenizer(byte.files()["tokenizer.json"])

@@ -11,7 +11,7 @@ import yaml
 from conftest import ROOT, TINY_SWEEP
 
 from transformer import rundir
-from transformer.claims import claim_path, read_claim
+from transformer.sweep.claims import claim_path, read_claim
 
 ray = pytest.importorskip("ray", reason="the Ray launcher's tests need ray (pip install '.[ray]')")
 

@@ -17,8 +17,8 @@ import yaml
 from conftest import ROOT, TINY_SWEEP
 
 from transformer import rundir
-from transformer.launch import SLURM_FLAGS, slurm_options, slurm_script
 from transformer.sweep import SweepError, expand
+from transformer.sweep.launch import SLURM_FLAGS, slurm_options, slurm_script
 
 TINY = {k: v for k, v in TINY_SWEEP.items() if k != "sweep"}
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "munged", "scontrol", "sinfo")
@@ -177,7 +177,7 @@ def test_a_slurm_array_runs_the_sweep_and_a_resubmitted_script_runs_nothing_agai
 )
 def test_launcher_options_that_do_not_fit_are_refused_in_one_line(argv, words):
     from transformer.cli import train_parser
-    from transformer.launch import check_arguments
+    from transformer.sweep.launch import check_arguments
 
     sweep = expand({"train": {"steps": 10}, "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}}})
     args = train_parser().parse_args(["s.yaml", *argv])

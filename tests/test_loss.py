@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from transformer.config import Config, DataConfig, ModelConfig, TrainConfig
-from transformer.loss import chunked_cross_entropy, cross_entropy, objective
 from transformer.model import Transformer
+from transformer.train.loss import chunked_cross_entropy, cross_entropy, objective
 
 
 def _model(**model):

@@ -16,8 +16,7 @@ from test_generate import check_cached_equals_full
 
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
-from transformer.generate import SamplingConfig, generate
-from transformer.job import run
+from transformer.eval.generate import SamplingConfig, generate
 from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.summary import (
     count_params,
@@ -26,6 +25,7 @@ from transformer.model.summary import (
     mean_attended_keys,
     params_by_component,
 )
+from transformer.train.job import run
 
 # The shapes MLA is checked over: full-rank and low-rank queries, values narrower and wider than
 # the query/key heads (H = 8 + 4 = 12 here), a latent smaller than the heads' width.

@@ -18,11 +18,11 @@ from flax import nnx
 
 from transformer.config import ConfigError, MonitorConfig
 from transformer.config_loader import load_config
-from transformer.job import run
 from transformer.model.layers import ACTIVATIONS, FFN
 from transformer.model.moe import MoE
 from transformer.model.summary import abstract_model, active_params, count_params, expert_params
-from transformer.monitor import Monitor
+from transformer.train.job import run
+from transformer.train.monitor import Monitor
 
 T = 16
 

@@ -18,9 +18,9 @@ from transformer import rundir, sharding
 from transformer.config import MonitorConfig
 from transformer.config_loader import load_config
 from transformer.data import prepare
-from transformer.job import run
-from transformer.monitor import Monitor, MonitorStop, Recovery
-from transformer.trainer import Trainer, default_controls
+from transformer.train.job import run
+from transformer.train.monitor import Monitor, MonitorStop, Recovery
+from transformer.train.trainer import Trainer, default_controls
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +257,7 @@ def test_skip_mode_drops_the_spike_step(corpus, cache, tmp_path):
 
 @pytest.mark.slow
 def test_nan_gradients_never_reach_parameters_or_checkpoints(corpus, cache, reference, tmp_path):
-    from transformer.checkpoint import load
+    from transformer.io.checkpoint import load
 
     workdir = train_run(corpus, cache, tmp_path / "run", "train.steps=40", "faults.nan_step=25")
     nonfinite = events(workdir, "nonfinite")

@@ -1,4 +1,4 @@
-"""Training objectives (transformer/objectives.py): MLM masking, T5 span corruption, input/target pairs,
+"""Training objectives (transformer/data/objectives.py): MLM masking, T5 span corruption, input/target pairs,
 the extra ids after the tokenizer's vocabulary, and their batches through the data pipeline."""
 
 import json
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from transformer import data as D
-from transformer import objectives as O
 from transformer.config import DataConfig
+from transformer.data import objectives as O
+from transformer.data.tokenizer import ByteTokenizer
 from transformer.synthetic import Seq2seqTask
-from transformer.tokenizer import ByteTokenizer
 
 BOS, EOS, PAD = 256, 257, 258
 MLM_KEYS = dict(mask_rate=0.15, mask_token_fraction=0.8, random_token_fraction=0.1)

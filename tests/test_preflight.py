@@ -8,12 +8,13 @@ import jax
 import pytest
 from conftest import ROOT, tiny_run_overrides, write_corpus
 
-from transformer import cli, preflight, sharding
+from transformer import cli, sharding
 from transformer.config_loader import load_config
 from transformer.errors import EXIT_FAILED, EXIT_USAGE
-from transformer.loop import TrainLoop
 from transformer.model.summary import count_params
-from transformer.trainer import Trainer, default_controls
+from transformer.train import preflight
+from transformer.train.loop import TrainLoop
+from transformer.train.trainer import Trainer, default_controls
 
 TINY = [
     "model.d_model=32",

@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOT, logged, read_events
 
 from transformer.config_loader import from_dict
-from transformer.render import write_report
 from transformer.report import build, lr_sensitivity, mean_std
+from transformer.report.render import write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -18,7 +18,7 @@ from conftest import ROOT, TINY_SWEEP, assert_bitwise_equal, final_params, tiny_
 from transformer import rundir
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
-from transformer.job import resume_changes, run
+from transformer.train.job import resume_changes, run
 
 # --- journals --------------------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ def test_model_statistics_on_a_known_case(scan_layers):
 @pytest.mark.slow
 def test_training_writes_per_layer_statistics(tmp_path):
     from transformer.config_loader import load_config
-    from transformer.job import run
+    from transformer.train.job import run
 
     corpus = tmp_path / "docs.jsonl"
     rng = np.random.default_rng(0)
@@ -111,7 +111,7 @@ def test_throughput_overall_is_the_whole_training_time_not_the_last_reading(monk
     """A reading over one step can be near zero (a CPU step that ran inside its dispatch puts its
     time on the reading before); the run's figure is all training steps over all training time,
     with what `restart` leaves out (evaluation, saving) not counted."""
-    from transformer import metrics
+    from transformer.train import metrics
 
     clock = iter([0.0, 10.0, 10.001, 50.0, 60.0])  # start; step 10; step 11 at once; restart; step 20
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))

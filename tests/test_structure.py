@@ -49,11 +49,11 @@ def test_only_rundir_spells_the_run_directory_file_names(name):
 @pytest.mark.parametrize(
     ("module", "must_not_import"),
     [
-        ("transformer.plots", "transformer.render"),  # rendering uses plots, never the reverse
-        ("transformer.report", "transformer.plots"),  # statistics need no matplotlib
+        ("transformer.report.plots", "transformer.report.render"),  # rendering uses plots, never the reverse
+        ("transformer.report", "transformer.report.plots"),  # statistics need no matplotlib
         ("transformer.sweep", "transformer.report"),  # a sweep runs members; reading them is the report's
         ("transformer.config", "transformer.config_loader"),  # the schema knows nothing of YAML files
-        ("transformer.trainer", "transformer.loop"),  # one step knows nothing of the host loop
+        ("transformer.train.trainer", "transformer.train.loop"),  # one step knows nothing of the host loop
     ],
 )
 def test_imports_point_one_way(module, must_not_import):

@@ -14,9 +14,9 @@ from conftest import ROOT, TINY_SWEEP, read_events
 from transformer import rundir
 from transformer.config import ConfigError
 from transformer.config_loader import load_config, load_raw
-from transformer.preflight import work_per_step
 from transformer.rundir import FINAL, status
 from transformer.sweep import SweepError, expand
+from transformer.train.preflight import work_per_step
 
 BASE = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4}, "train": {"steps": 10}}
 

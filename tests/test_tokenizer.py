@@ -6,7 +6,7 @@ import pickle
 import numpy as np
 import pytest
 
-from transformer.tokenizer import SPECIALS, ByteTokenizer, HFTokenizer, TokenizerError, load_pretrained, train_bpe
+from transformer.data.tokenizer import SPECIALS, ByteTokenizer, HFTokenizer, TokenizerError, load_pretrained, train_bpe
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

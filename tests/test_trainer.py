@@ -18,10 +18,10 @@ from transformer import sharding
 from transformer.config import ConfigError, OptimConfig
 from transformer.config_loader import load_config
 from transformer.data import prepare
-from transformer.loop import train
 from transformer.model.summary import count_params
-from transformer.optim import decay_mask, schedule
-from transformer.trainer import cross_entropy
+from transformer.train.loop import train
+from transformer.train.optim import decay_mask, schedule
+from transformer.train.trainer import cross_entropy
 
 
 @pytest.fixture(scope="session")
@@ -202,7 +202,7 @@ def test_decay_touches_matrices_only_in_the_real_parameter_tree():
     from flax import nnx
 
     from transformer.model import Transformer
-    from transformer.optim import make_optimizer
+    from transformer.train.optim import make_optimizer
 
     cfg = load_config(
         None,
@@ -415,7 +415,7 @@ def test_two_processes_match_one_process(corpus, tmp_path):
 def test_adafactor_state_is_sharded_by_shape_and_trains():
     """Adafactor keeps factored moments (one dimension fewer than their parameter) in the
     parameter's place: each gets a sharding of its own rank, and a step runs (it crashed at init)."""
-    from transformer.trainer import Trainer, default_controls
+    from transformer.train.trainer import Trainer, default_controls
 
     cfg = load_config(
         None,

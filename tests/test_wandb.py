@@ -10,7 +10,7 @@ import pytest
 
 from transformer import rundir
 from transformer.config_loader import load_config
-from transformer.job import run
+from transformer.train.job import run
 
 wandb = pytest.importorskip("wandb", reason="W&B logging's test needs wandb (pip install '.[wandb]')")
 from wandb.proto import wandb_internal_pb2  # noqa: E402

@@ -49,7 +49,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
-    from transformer.launch import add_arguments
+    from transformer.sweep.launch import add_arguments
 
     add_arguments(p)  # claims, --shared, --launcher local|ray|slurm and their options
     return p
@@ -89,7 +89,7 @@ def train_main(argv: list[str] | None = None) -> int:
         sweep = load_sweep(args.config, args.overrides)
         cfg = load_config(args.config, args.overrides) if sweep is None else None
         if cfg is not None and cfg.model.init_from is not None:  # the architecture from its config.json
-            from transformer.hf import with_pretrained
+            from transformer.io.hf import with_pretrained
 
             cfg = with_pretrained(cfg, args.config, args.overrides)
     except ConfigError as e:
@@ -111,15 +111,15 @@ def train_main(argv: list[str] | None = None) -> int:
     _distributed(args)
     workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)
     if args.claim:  # a member run by a scheduler, a Ray task or a SLURM array task: claimed first
-        from transformer.launch import claimed
+        from transformer.sweep.launch import claimed
 
         return claimed(cfg, workdir, args.stale_after, lambda: _train_job(cfg, workdir))
     return _train_job(cfg, workdir)
 
 
 def _check_launch_arguments(args: argparse.Namespace, sweep: Sweep | None) -> None:
-    from transformer.launch import check_arguments
     from transformer.sweep import SweepError
+    from transformer.sweep.launch import check_arguments
 
     try:
         problem = check_arguments(args, sweep)
@@ -132,7 +132,7 @@ def _check_launch_arguments(args: argparse.Namespace, sweep: Sweep | None) -> No
 def _preflight_main(configs: list[tuple[str, Config]], topology: str | None) -> int:
     """`--preflight`: each config's compiled memory and FLOPs; EXIT_USAGE and a line for each that is
     impossible or does not fit (a sweep's members are all tried)."""
-    from transformer.preflight import OutOfMemory, run_preflight
+    from transformer.train.preflight import OutOfMemory, run_preflight
 
     code = 0
     for name, cfg in configs:
@@ -159,13 +159,13 @@ def _is_file(text: str) -> bool:
 
 def _train_job(cfg: Config, workdir: Path) -> int:
     """Run the job; each way it can end becomes its exit code and at most one line on stderr."""
-    from transformer.checkpoint import CheckpointError
     from transformer.data import DataError
-    from transformer.job import run
-    from transformer.monitor import MonitorStop
-    from transformer.preflight import OutOfMemory
+    from transformer.io.checkpoint import CheckpointError
     from transformer.rundir import Busy
-    from transformer.signals import Preempted
+    from transformer.train.job import run
+    from transformer.train.monitor import MonitorStop
+    from transformer.train.preflight import OutOfMemory
+    from transformer.train.signals import Preempted
 
     try:
         run(cfg, workdir)
@@ -215,7 +215,7 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         if args.launcher != "local":
-            from transformer.launch import launch
+            from transformer.sweep.launch import launch
 
             outcome = launch(args, sweep, workdir)
             if outcome is None:  # submitted to a scheduler, not waited for
@@ -227,7 +227,7 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     except Busy as e:  # another sweep runs in this directory
         _fail("train.py", str(e))
     if not outcome.interrupted:  # an interrupted sweep is compared once a rerun has finished it
-        from transformer.render import write_report
+        from transformer.report.render import write_report
 
         report = write_report(workdir)
         print(f"report: {relative(report)}")
@@ -240,8 +240,8 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
 def _dry_run(cfg: Config) -> int:
     """The resolved config and the model summary."""
     from transformer.accelerator import resolve
+    from transformer.data.objectives import row_lengths
     from transformer.model.summary import summary_text
-    from transformer.objectives import row_lengths
 
     print(cfg.to_yaml().rstrip())
     print()
@@ -320,7 +320,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 def _compare_main(directory: Path) -> int:
     from transformer import rundir
-    from transformer.render import write_report
+    from transformer.report.render import write_report
     from transformer.sweep import MANIFEST
 
     if not directory.is_dir():
@@ -348,8 +348,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     prompts = _prompts(args)
     _check_eval_args(args)
 
-    from transformer.checkpoint import CheckpointError
     from transformer.data import DataError
+    from transformer.io.checkpoint import CheckpointError
 
     try:
         if args.export_hf is not None:
@@ -410,15 +410,15 @@ def _check_sampling(args: argparse.Namespace, cfg: Config, n_prompts: int) -> No
 
 
 def _export_main(args: argparse.Namespace) -> int:
-    from transformer.evaluate import note
-    from transformer.pretrained import export_hf
+    from transformer.eval.evaluate import note
+    from transformer.eval.pretrained import export_hf
 
     print(export_hf(Path(args.workdir), args.step, Path(args.export_hf), note))
     return 0
 
 
 def _fill_mask_main(args: argparse.Namespace) -> int:
-    from transformer import evaluate
+    from transformer.eval import evaluate
 
     if args.workdir is None:
         _fail("eval.py", "--fill-mask reads a run's encoder: give --workdir DIR")
@@ -434,8 +434,8 @@ def _fill_mask_main(args: argparse.Namespace) -> int:
 
 
 def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
-    from transformer import evaluate, pretrained
-    from transformer.generate import SamplingConfig
+    from transformer.eval import evaluate, pretrained
+    from transformer.eval.generate import SamplingConfig
 
     cfg = (
         evaluate.run_config(Path(args.workdir), []) if args.hf is None else pretrained.pretrained_config(Path(args.hf))
@@ -458,7 +458,7 @@ def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
 
 
 def _evaluate_main(args: argparse.Namespace) -> int:
-    from transformer import evaluate, pretrained
+    from transformer.eval import evaluate, pretrained
 
     if args.hf is None:
         result = evaluate.evaluate(Path(args.workdir), args.step, args.overrides, args.split, args.batches)

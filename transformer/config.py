@@ -169,7 +169,7 @@ class ModelConfig:
     scan_unroll: int | None = None
     remat: Remat = "none"
     # a Hugging Face model directory: the architecture keys come from its config.json, the first
-    # parameters from its weights (transformer/hf.py)
+    # parameters from its weights (transformer/io/hf.py)
     init_from: str | None = None
     # --- mixture of experts (model/moe.py); n_experts 0: a dense FFN in every layer ---
     n_experts: int = 0
@@ -582,7 +582,7 @@ class DataConfig:
     document_separator: str | None = None
     val_source: str | None = None  # validate on this source (any data.source spec) instead of a split
     # the next steps' batches made on a background thread and put on the devices while a step runs
-    # (transformer/feed.py); 0: each made when its step needs it. Changes no result
+    # (transformer/train/feed.py); 0: each made when its step needs it. Changes no result
     prefetch: int = 1
     # weighted sources instead of data.source (which must then be left at its default)
     mixture: tuple[MixtureEntry, ...] = ()
@@ -746,7 +746,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 200
     z_loss: float = 0.0
-    # tokens of a micro-batch whose logits the loss forms at once (transformer/loss.py): 0 all of
+    # tokens of a micro-batch whose logits the loss forms at once (transformer/train/loss.py): 0 all of
     # them; null (auto) chunks of LOSS_CHUNK_BYTES of logits when the padded vocabulary is LARGE_VOCAB or more
     loss_chunk: int | None = None
 
@@ -871,7 +871,9 @@ class LoggingConfig:
     every: int = 10
     tensorboard: bool = True
     progress: bool = True
-    profile: str | None = None  # "START:STOP": a jax.profiler trace of steps START..STOP-1 (transformer/profile.py)
+    profile: str | None = (
+        None  # "START:STOP": a jax.profiler trace of steps START..STOP-1 (transformer/train/profile.py)
+    )
     wandb: WandbConfig = WandbConfig()
 
     def __post_init__(self):

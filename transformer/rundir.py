@@ -5,7 +5,7 @@ DIR/
   config.yaml     the resolved config: written at start, compared on resume, read by eval and reports
   metrics.jsonl   one JSON object per logged step: {"step": ..., "loss": ..., ...}
   events.jsonl    one JSON object per event: {"event": "start" | "resume" | "spike" | ..., "step": ...}
-  checkpoints/    orbax checkpoints (transformer/checkpoint.py)
+  checkpoints/    orbax checkpoints (transformer/io/checkpoint.py)
   tb/             TensorBoard event files
   .lock           held (flock) by the one process that writes the run; names its host and pid
 ```
@@ -188,7 +188,7 @@ def _jsonable(value):
 
 
 class ScalarSink(Protocol):
-    """Somewhere else the scalars go, as TensorBoard's tags (transformer/wandb_sink.py)."""
+    """Somewhere else the scalars go, as TensorBoard's tags (transformer/train/wandb_sink.py)."""
 
     def scalars(self, step: int, tags: list[tuple[str, float]]) -> None: ...
 

@@ -211,7 +211,7 @@ def training_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[str, i
 
 def logit_positions(cfg: Config) -> int:
     """Positions of each row whose float32 logits exist at once: all of them, or a chunk's
-    (`train.loss_chunk`, see transformer/loss.py)."""
+    (`train.loss_chunk`, see transformer/train/loss.py)."""
     T, chunk = cfg.data.seq_len, cfg.loss_chunk
     micro_batch = cfg.train.batch_size // cfg.train.grad_accum
     return T if not chunk or chunk >= micro_batch * T else max(1, chunk // micro_batch)

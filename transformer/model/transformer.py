@@ -578,7 +578,7 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, Stats]:
         """(the last hidden states [B, T, D], before the output projection, the routing terms of the
         MoE layers, each of `moe.STEP_METRICS` reduced over them; {} for a dense model). A chunked
-        loss projects the hidden states a few positions at a time: `transformer/loss.py`.
+        loss projects the hidden states a few positions at a time: `transformer/train/loss.py`.
 
         positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
         segment_ids_BxT: document ids, attention never crosses a change of id;

@@ -9,14 +9,14 @@ import jax
 
 from transformer import rundir, sharding
 from transformer.accelerator import resolve
-from transformer.checkpoint import Checkpointer
 from transformer.config import SAFE_ON_RESUME, Config, ConfigError, config_changes
 from transformer.config_loader import apply_overrides, from_dict
 from transformer.data import Data, prepare
-from transformer.generate import SamplingConfig, fill_mask, generate, generate_seq2seq
-from transformer.objectives import Vocab, make_objective, row_tokens
-from transformer.tokenizer import TokenizerError
-from transformer.trainer import Trainer
+from transformer.data.objectives import Vocab, make_objective, row_tokens
+from transformer.data.tokenizer import TokenizerError
+from transformer.eval.generate import SamplingConfig, fill_mask, generate, generate_seq2seq
+from transformer.io.checkpoint import Checkpointer
+from transformer.train.trainer import Trainer
 
 
 def run_config(workdir: Path, overrides: list[str]) -> Config:
@@ -197,7 +197,7 @@ def _run_vocab(workdir: Path, step: int | None) -> tuple[Config, Vocab]:
 
 
 def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: int | None = None) -> list[str]:
-    from transformer.checkpoint import load
+    from transformer.io.checkpoint import load
 
     cfg, vocab = _run_vocab(workdir, step)
     encoded = checked_prompts(cfg, vocab, prompts, sampling)
@@ -251,7 +251,7 @@ def complete(cfg: Config, model, vocab: Vocab, encoded: list[list[int]], samplin
 def fill_masks(workdir: Path, texts: list[str], top_k: int, step: int | None = None) -> list[dict]:
     """`eval.py --fill-mask TEXT`: an encoder's `top_k` predictions at each <mask> of each text,
     and the text with every mask replaced by its best prediction."""
-    from transformer.checkpoint import load
+    from transformer.io.checkpoint import load
 
     cfg, vocab = _run_vocab(workdir, step)
     _check(cfg.model.arch == "encoder", f"fills masks with an encoder (model.arch={cfg.model.arch})", "--fill-mask")

@@ -10,7 +10,7 @@
       seeds: [0, 1]                  # train.seed of each member; members are named <variant>-s<seed>
       name: "{model.norm_position}-lr{optim.lr}-{attention}"   # default: the varied values joined
       compare: model.norm_position   # what the report's verdict compares (default: the first varied key)
-      ray: {num_cpus: 1}             # --launcher ray / slurm options (transformer/launch.py)
+      ray: {num_cpus: 1}             # --launcher ray / slurm options (transformer/sweep/launch.py)
       slurm: {partition: gpu, time: "04:00:00"}
 
 Everything outside `sweep:` is the base config every member shares. A member is the base with its
@@ -42,19 +42,19 @@ from pathlib import Path
 from typing import Any
 
 from transformer import rundir
-from transformer.claims import STALE_AFTER, Claim, claim_path, is_stale, read_claim
 from transformer.config import ROOT, Config, ConfigError, config_changes, flatten
 from transformer.config_loader import all_keys, from_dict, load_raw
 from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from transformer.rundir import FINAL, atomic_write, read_events
-from transformer.signals import PARENT_PID_ENV
+from transformer.sweep.claims import STALE_AFTER, Claim, claim_path, is_stale, read_claim
+from transformer.train.signals import PARENT_PID_ENV
 
-SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare", "ray", "slurm")  # ray, slurm: transformer/launch.py
+SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare", "ray", "slurm")  # ray, slurm: transformer/sweep/launch.py
 MANIFEST = "sweep.json"
 MEMBERS_DIR = "members"  # resolved member configs
 LOGS_DIR = "logs"  # member output when several run at once
 # Names a member's directory cannot take: the sweep's own files beside the members, and the report
-# (transformer/render.py writes report.md, report.html and plots/ into the sweep's directory; the
+# (transformer/report/render.py writes report.md, report.html and plots/ into the sweep's directory; the
 # sweep cannot import it, so the names are repeated here).
 RESERVED = {MANIFEST, MEMBERS_DIR, LOGS_DIR, "plots", "report.md", "report.html"}
 TRAIN_SCRIPT = ROOT / "train.py"
@@ -316,7 +316,7 @@ def member_config_path(workdir: Path, name: str) -> Path:
 
 def command(member_config: Path, workdir: Path, python: str = "python", claim: bool = False) -> list[str]:
     """The train.py command line that runs one member into its run directory; with `claim`, one that
-    claims the member first (transformer/claims.py), for commands run by others than a sweep runner."""
+    claims the member first (transformer/sweep/claims.py), for commands run by others than a sweep runner."""
     return [python, relative(TRAIN_SCRIPT), relative(member_config), "--workdir", relative(workdir)] + (
         ["--claim"] if claim else []
     )
@@ -397,7 +397,7 @@ class SweepRunner:
     makes them exit at once; either way nothing more is started. A member that fails with exit 2 (a
     user mistake, which would repeat in every member) stops the sweep from starting the rest.
 
-    Each member is claimed before it starts (transformer/claims.py), so that other runners on the
+    Each member is claimed before it starts (transformer/sweep/claims.py), so that other runners on the
     same directory (`--shared`) leave it alone; a member another runner holds is deferred, and taken
     up when its claim is let go (or goes stale) unfinished, or counted done when it finishes. (So a
     member that failed under another runner is tried once more here: it may have been that machine.)
@@ -570,7 +570,7 @@ def run_sweep(
     stale_after: float = STALE_AFTER,
 ) -> SweepOutcome:
     """Prepare the sweep in `workdir` and run its unfinished members, `parallel` at a time (see
-    SweepRunner). The report is not written here: `transformer.render.write_report` does that.
+    SweepRunner). The report is not written here: `transformer.report.render.write_report` does that.
     One sweep at a time runs in a directory (rundir.Busy names the one already running there), unless
     it is `shared`: then runners on any number of machines work on it together, member by member."""
     with contextlib.nullcontext() if shared else rundir.RunLock(workdir):

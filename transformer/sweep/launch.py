@@ -1,9 +1,9 @@
-"""Launchers: where a sweep's members run. `local` (transformer/sweep.py's SweepRunner, the default),
+"""Launchers: where a sweep's members run. `local` (transformer/sweep/'s SweepRunner, the default),
 `ray` (each member a Ray task on a cluster, or on a Ray instance started here) and `slurm` (one job
 array, one task per member, from a script written to DIR/slurm/ that can be read and resubmitted).
 
 Every launcher runs the same thing: `train.py DIR/members/<name>.yaml --workdir DIR/<name>`, with
-`--claim` where no sweep runner holds the member's claim for it (transformer/claims.py), so members
+`--claim` where no sweep runner holds the member's claim for it (transformer/sweep/claims.py), so members
 keep their own run directories: resume, preemption (SIGTERM -> checkpoint -> exit 75, or a requeue)
 and `eval.py --compare DIR` work as they do locally. Launch options come from the sweep block
 (`sweep.ray`, `sweep.slurm`) and, for SLURM, from the command line, which wins.
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from transformer import rundir
-from transformer.claims import STALE_AFTER, claim_path, run_claimed
 from transformer.config import ROOT, Config
 from transformer.errors import EXIT_PREEMPTED
 from transformer.rundir import FINAL
@@ -44,6 +43,7 @@ from transformer.sweep import (
     relative,
     result_summary,
 )
+from transformer.sweep.claims import STALE_AFTER, claim_path, run_claimed
 
 LAUNCHERS = ("local", "ray", "slurm")
 SLURM_DIR = "slurm"

@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from transformer.config import DataConfig
-from transformer.tokenizer import Tokenizer
+from transformer.data.tokenizer import Tokenizer
 
 MASK_TEXT = "<mask>"
 TRAIN_KEY, VAL_KEY = 0x7472, 0x7661  # first word of a row's random key: training rows and validation windows apart
@@ -457,7 +457,7 @@ def make_objective(cfg: DataConfig, tokenizer: Tokenizer) -> Objective:
 def _without_tokenizer(cfg: DataConfig) -> Objective:
     """`cfg`'s objective over a stand-in tokenizer: what it adds and how long its rows are do not
     depend on the tokenizer (for what is reckoned before the data is prepared, as preflight does)."""
-    from transformer.tokenizer import ByteTokenizer
+    from transformer.data.tokenizer import ByteTokenizer
 
     return make_objective(cfg, ByteTokenizer())
 

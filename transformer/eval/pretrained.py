@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from transformer.config import Config
-from transformer.hf import (
+from transformer.io.hf import (
     CONFIG_JSON,
     WEIGHTS,
     HFError,
@@ -38,8 +38,8 @@ def evaluate_pretrained(
 ) -> dict:
     """`eval.py --hf PATH`: as `evaluate.evaluate` of a run, at step 0, on the config's data."""
     from transformer import sharding
-    from transformer.evaluate import evaluate_params
-    from transformer.trainer import Trainer
+    from transformer.eval.evaluate import evaluate_params
+    from transformer.train.trainer import Trainer
 
     cfg = pretrained_config(path, overrides)
     trainer = Trainer(cfg, sharding.make_mesh(cfg))
@@ -52,9 +52,9 @@ def sample_pretrained(path: Path, prompts: list[str], sampling) -> list[str]:
 
     from transformer.accelerator import resolve
     from transformer.data import cache_directory, make_tokenizer
-    from transformer.evaluate import checked_prompts, complete
+    from transformer.data.objectives import Vocab
+    from transformer.eval.evaluate import checked_prompts, complete
     from transformer.model import Transformer
-    from transformer.objectives import Vocab
 
     cfg = resolve(pretrained_config(path))  # the dtype and attention this machine runs
     vocab = Vocab(make_tokenizer(cfg.data, None, cache_directory(cfg.data)))
@@ -69,9 +69,9 @@ def export_hf(workdir: Path, step: int | None, out: Path, note: Callable[[str], 
     directory, with the run's tokenizer; returns a line saying what was written."""
     from flax import nnx
 
-    from transformer.checkpoint import load
     from transformer.data import cache_directory, make_tokenizer
-    from transformer.evaluate import run_config
+    from transformer.eval.evaluate import run_config
+    from transformer.io.checkpoint import load
 
     cfg = run_config(workdir, [])
     family = export_family(cfg.model)  # refuse before reading anything

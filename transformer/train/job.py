@@ -13,13 +13,13 @@ import numpy as np
 
 from transformer import rundir, sharding
 from transformer.accelerator import settle_dtype
-from transformer.checkpoint import Checkpointer, check_writable, partial_writes
 from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data, prepare
-from transformer.loop import RunResult, train
+from transformer.io.checkpoint import Checkpointer, check_writable, partial_writes
 from transformer.rundir import RunWriter
-from transformer.signals import StopSignal
-from transformer.trainer import Trainer, TrainState
+from transformer.train.loop import RunResult, train
+from transformer.train.signals import StopSignal
+from transformer.train.trainer import Trainer, TrainState
 
 
 def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:

@@ -15,21 +15,22 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from transformer import preflight, rundir, sharding
+from transformer import rundir, sharding
 from transformer.accelerator import choose_attention, choose_dtype
-from transformer.checkpoint import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
 from transformer.config import Config
 from transformer.data import Data
 from transformer.errors import EXIT_FAILED, first_line
-from transformer.feed import Feed
-from transformer.metrics import Progress, Throughput, device_peak_flops
+from transformer.io.checkpoint import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
 from transformer.model.summary import count_params
-from transformer.monitor import COLLAPSE_LOAD, Anomaly, Faults, Monitor, MonitorStop, Recovery
-from transformer.profile import ProfileWindow
 from transformer.rundir import RunWriter
-from transformer.signals import Preempted, StopSignal
-from transformer.trainer import Trainer, TrainState, default_controls
-from transformer.wandb_sink import scalar_sinks
+from transformer.train import preflight
+from transformer.train.feed import Feed
+from transformer.train.metrics import Progress, Throughput, device_peak_flops
+from transformer.train.monitor import COLLAPSE_LOAD, Anomaly, Faults, Monitor, MonitorStop, Recovery
+from transformer.train.profile import ProfileWindow
+from transformer.train.signals import Preempted, StopSignal
+from transformer.train.trainer import Trainer, TrainState, default_controls
+from transformer.train.wandb_sink import scalar_sinks
 
 
 def _process() -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 `write_report(DIR)` reads the runs under DIR (`transformer.report.build`: a sweep's members or any
 run directories side by side) and writes DIR/report.md, DIR/report.html (plots embedded) and the
-plots as DIR/plots/*.png (`transformer.plots`). The numbers and their definitions are the report's;
+plots as DIR/plots/*.png (`transformer.report.plots`). The numbers and their definitions are the report's;
 this module only lays them out.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from transformer.plots import plot_all
 from transformer.report import BUDGET_TAIL, LR_KEY, Report, build, format_value, mean_std, short_key
+from transformer.report.plots import plot_all
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"

@@ -1,5 +1,5 @@
 """The report's figures, drawn from a `report.Report`. Each function returns a matplotlib Figure
-(the object API, no pyplot state), so the renderer (`transformer/render.py`) saves them as PNGs and
+(the object API, no pyplot state), so the renderer (`transformer/report/render.py`) saves them as PNGs and
 a notebook displays them. This module reads the statistics only; it never imports the renderer."""
 
 from __future__ import annotations

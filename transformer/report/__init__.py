@@ -1,6 +1,6 @@
 """What a set of runs says about the variants, in final loss and in stability: the statistics of a
-comparison report. Drawing them is `transformer/plots.py`; the tables, Markdown and HTML are
-`transformer/render.py` (`render.write_report(DIR)`).
+comparison report. Drawing them is `transformer/report/plots.py`; the tables, Markdown and HTML are
+`transformer/report/render.py` (`render.write_report(DIR)`).
 
 `build(DIR)` reads the runs under DIR — a sweep's members (named in its manifest) or any run
 directories side by side. Every number comes from the runs' own files (`transformer/rundir.py`):
@@ -102,7 +102,7 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        from transformer.objectives import row_lengths, row_tokens
+        from transformer.data.objectives import row_lengths, row_tokens
 
         return self.config.train.batch_size * row_tokens(row_lengths(self.config.data))
 

@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from transformer.config import DataConfig, DataSource
-from transformer.errors import first_line
-from transformer.objectives import (
+from transformer.data.objectives import (
     Objective,
     ObjectiveError,
     PairObjective,
@@ -44,10 +43,11 @@ from transformer.objectives import (
     train_keys,
     val_keys,
 )
-from transformer.objectives import document_layout as document_layout
+from transformer.data.objectives import document_layout as document_layout
+from transformer.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_pretrained, train_bpe
+from transformer.errors import first_line
 from transformer.rundir import atomic_write
 from transformer.synthetic import RecallTask, Seq2seqTask
-from transformer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_pretrained, train_bpe
 
 # 2: rows without text are left out (version 1 kept them as empty documents)
 CACHE_VERSION = 2

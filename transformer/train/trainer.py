@@ -1,6 +1,6 @@
 """What one step computes: the train state, the loss, and the jitted init, train, eval and stats steps.
 
-The host loop that drives them is `transformer/loop.py`; the `train.py` job around it `transformer/job.py`.
+The host loop that drives them is `transformer/train/loop.py`; the `train.py` job around it `transformer/train/job.py`.
 
 The step is one pure function `(state, batch) -> (state, metrics)` jitted with explicit shardings
 and a donated state: the same code runs on one CPU, fake CPU devices, a GPU, a TPU slice or many
@@ -19,15 +19,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from transformer import accelerator, loss, sharding
+from transformer import accelerator, sharding
 from transformer.config import Config
 from transformer.data import Data
-from transformer.loss import cross_entropy as cross_entropy  # its old home: callers import it from here
 from transformer.model import Transformer
 from transformer.model.layers import placing
 from transformer.model.moe import STEP_METRICS
 from transformer.model.transformer import layer_slots
-from transformer.optim import make_optimizer, schedule
+from transformer.train import loss
+from transformer.train.loss import cross_entropy as cross_entropy  # its old home: callers import it from here
+from transformer.train.optim import make_optimizer, schedule
 
 
 def model_inputs(batch: dict) -> tuple:
@@ -250,7 +251,7 @@ class Trainer:
             return self.init(jax.random.key(self.cfg.train.seed))
         from pathlib import Path
 
-        from transformer import hf
+        from transformer.io import hf
 
         params = hf.load_params(
             Path(self.cfg.model.init_from).expanduser(), self.cfg.model, self.abstract_state().params
