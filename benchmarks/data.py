@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformer import data as datalib
 from transformer.config_loader import load_config
+from transformer.data import splits as data_splits
 
 
 def main() -> None:
@@ -39,15 +40,15 @@ def main() -> None:
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as cache:
                 cfg = load_config(None, [*args.overrides, f"data.tokenizer={tok}", f"data.cache_dir={cache}"])
-                datalib._load_splits.cache_clear()
-                datalib.load_splits(cfg.data)  # reading the files is not tokenising: keep it out
+                data_splits._load_splits.cache_clear()
+                data_splits.load_splits(cfg.data)  # reading the files is not tokenising: keep it out
                 start = time.perf_counter()
                 d = datalib.prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
                 seconds = time.perf_counter() - start
                 meta = json.loads((d.cache_path / "meta.json").read_text())
                 mb = (meta["train"]["bytes"] + meta["val"]["bytes"]) / 1e6
                 rates.append(mb / seconds)
-                datalib._load_splits.cache_clear()
+                data_splits._load_splits.cache_clear()
                 start = time.perf_counter()
                 datalib.prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
                 starts.append(time.perf_counter() - start)

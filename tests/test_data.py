@@ -16,6 +16,12 @@ import pytest
 
 from transformer import data as D
 from transformer.config import DataConfig
+from transformer.data import batches as data_batches
+from transformer.data import cache as data_cache
+from transformer.data import objectives as data_objectives
+from transformer.data import pipeline as data_pipeline
+from transformer.data import sources as data_sources
+from transformer.data import splits as data_splits
 
 EOS = 257  # the byte tokenizer's end of document
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("private_hf_cache")
 
 def restart():
     """Forget everything held in memory, as a new process would."""
-    D._load_splits.cache_clear()
+    data_splits._load_splits.cache_clear()
 
 
 def config(source: str, cache: Path, **kw) -> DataConfig:
@@ -177,7 +183,7 @@ def test_each_epoch_visits_every_window_once_in_a_fresh_order(exact, tmp_path):
 
 def test_epochs_follow_one_another_without_gap_or_repeat_when_batches_straddle_them():
     n, B = 10, 4  # batches straddle the epoch boundaries
-    sampler = D.Sampler(n, B, seed=7)
+    sampler = data_batches.Sampler(n, B, seed=7)
     flat = np.concatenate([sampler.window_ids(s) for s in range(15)])  # 60 ids = 6 epochs
     for e in range(6):
         chunk = flat[e * n : (e + 1) * n]
@@ -205,7 +211,7 @@ def test_stream_is_the_split_documents_in_order_each_followed_by_eos(exact, tmp_
 def test_hash_split_stream_follows_the_split_order(corpus, tmp_path):
     cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.25)
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
-    splits = D.load_splits(cfg)
+    splits = data_splits.load_splits(cfg)
     train, val = texts(splits["train"]), texts(splits["val"])
     np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), stream_of(train))
     np.testing.assert_array_equal(np.asarray(data.val.tokens, np.int64), stream_of(val))
@@ -244,7 +250,7 @@ def test_document_layout_hand_made():
             [1, 1, 1, 1, 1, 1, 1, e],
         ]
     )
-    layout = D.document_layout(inputs, e)
+    layout = data_objectives.document_layout(inputs, e)
     np.testing.assert_array_equal(
         layout["segment_ids"], [[0, 0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0]]
     )
@@ -296,22 +302,22 @@ def test_hash_split_is_disjoint_by_content_and_deterministic(tmp_path):
     docs = docs + docs[:50]  # exact copies must land on the same side as their originals
     write_jsonl(tmp_path / "src" / "a.jsonl", docs)
     cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache", val_fraction=0.2)
-    splits = D.load_splits(cfg)
+    splits = data_splits.load_splits(cfg)
     train, val = texts(splits["train"]), texts(splits["val"])
     assert not set(train) & set(val)
     assert sorted(train + val) == sorted(docs)
     assert 0.05 < len(val) / len(docs) < 0.4
     restart()
-    again = D.load_splits(cfg)
+    again = data_splits.load_splits(cfg)
     assert texts(again["train"]) == train and texts(again["val"]) == val
     # a larger fraction moves documents only from train to val
-    more = D.load_splits(config(cfg.source, tmp_path / "cache", val_fraction=0.5))
+    more = data_splits.load_splits(config(cfg.source, tmp_path / "cache", val_fraction=0.5))
     assert set(val) <= set(texts(more["val"]))
 
 
 def test_the_sources_own_validation_split_is_used(exact, tmp_path):
     for fraction in (0.01, 0.5):  # ignored when the source has its own split
-        splits = D.load_splits(config(exact["source"], tmp_path / "cache", val_fraction=fraction))
+        splits = data_splits.load_splits(config(exact["source"], tmp_path / "cache", val_fraction=fraction))
         assert texts(splits["train"]) == exact["train"]
         assert texts(splits["val"]) == exact["val"]
 
@@ -319,7 +325,7 @@ def test_the_sources_own_validation_split_is_used(exact, tmp_path):
 def test_a_custom_validation_split_name(tmp_path):
     docs = make_docs(30)
     save_dict(tmp_path / "dd", train=docs[:20], test=docs[20:])
-    splits = D.load_splits(config(f"files:{tmp_path / 'dd'}", tmp_path / "cache", val_split="test"))
+    splits = data_splits.load_splits(config(f"files:{tmp_path / 'dd'}", tmp_path / "cache", val_split="test"))
     assert texts(splits["val"]) == docs[20:] and texts(splits["train"]) == docs[:20]
 
 
@@ -345,7 +351,7 @@ def test_packaged_file_builders(tmp_path, kind):
     _write_source(tmp_path / "src", kind, docs)
     expected = [d + "\nsecond line\n" for d in docs] if kind == "txt" else docs
     cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache", val_fraction=0.2)
-    splits = D.load_splits(cfg)
+    splits = data_splits.load_splits(cfg)
     assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(expected)
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
     np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), stream_of(texts(splits["train"])))
@@ -356,7 +362,7 @@ def test_a_glob_source(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", docs[:20])
     write_jsonl(tmp_path / "b.jsonl", docs[20:])
     (tmp_path / "notes.md").write_text("not part of the corpus")
-    splits = D.load_splits(config(f"files:{tmp_path}/*.jsonl", tmp_path / "cache", val_fraction=0.2))
+    splits = data_splits.load_splits(config(f"files:{tmp_path}/*.jsonl", tmp_path / "cache", val_fraction=0.2))
     assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(docs)
 
 
@@ -375,35 +381,37 @@ def test_a_glob_of_code_files_trains_and_validates_as_documents(tmp_path):
     docs = _code_files(tmp_path)
     (tmp_path / "pkg" / "README.md").write_text("# not matched by the glob\n")
     cfg = config(f"files:{tmp_path}/pkg/**/*.py", tmp_path / "cache", val_fraction=0.2)
-    splits = D.load_splits(cfg)
+    splits = data_splits.load_splits(cfg)
     assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(docs)
-    assert len(splits["train"]) and len(splits["val"]) and D.split_rule(cfg) == D.HASH
+    assert len(splits["train"]) and len(splits["val"]) and data_splits.split_rule(cfg) == data_splits.HASH
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
     np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), stream_of(texts(splits["train"])))
     np.testing.assert_array_equal(np.asarray(data.val.tokens, np.int64), stream_of(texts(splits["val"])))
     # the separator applies as to .txt files; a directory mixes .py and .md files, both text
     (tmp_path / "pkg" / "notes.md").write_text("first note\n\n\nsecond note\n")
     sep = config(f"files:{tmp_path}/pkg", tmp_path / "cache", val_fraction=0.2, document_separator="\n\n\n")
-    pieces = texts(D.load_splits(sep)["train"]) + texts(D.load_splits(sep)["val"])
+    pieces = texts(data_splits.load_splits(sep)["train"]) + texts(data_splits.load_splits(sep)["val"])
     assert "first note" in pieces and "second note\n" in pieces and "# file 4\n" + "y = 1\n" * 4 in pieces
 
 
 def test_a_binary_file_among_text_files_is_one_line_naming_it(tmp_path):
     _code_files(tmp_path)
     (tmp_path / "pkg" / "sub" / "m3.cpython-312.pyc").write_bytes(b"\xa7\r\r\n\0\0" + bytes(range(256)))
-    message = one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg", tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(f"files:{tmp_path}/pkg", tmp_path / "cache"))
     assert message.startswith("data.source:") and "m3.cpython-312.pyc" in message and "not UTF-8 text" in message
     (tmp_path / "pkg" / "sub" / "m3.cpython-312.pyc").write_bytes(b"valid UTF-8 but \0 NUL bytes")
-    assert "m3.cpython-312.pyc" in one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg", tmp_path / "cache"))
+    assert "m3.cpython-312.pyc" in one_line_error(
+        data_splits.load_splits, config(f"files:{tmp_path}/pkg", tmp_path / "cache")
+    )
     # a glob that leaves it out reads the rest; .jsonl among text files is still refused as a mix of kinds
-    assert len(D.load_splits(config(f"files:{tmp_path}/pkg/**/*.py", tmp_path / "cache"))["train"])
+    assert len(data_splits.load_splits(config(f"files:{tmp_path}/pkg/**/*.py", tmp_path / "cache"))["train"])
     write_jsonl(tmp_path / "pkg" / "rows.jsonl", ["a row"])
-    message = one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg/**/*.*[ly]", tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(f"files:{tmp_path}/pkg/**/*.*[ly]", tmp_path / "cache"))
     assert "one kind" in message and ".jsonl" in message and ".py" in message
     # a document format is refused by its extension, whatever its bytes, with a hint to convert it
     (tmp_path / "pkg" / "rows.jsonl").unlink()
     (tmp_path / "pkg" / "paper.pdf").write_text("%PDF-1.4 looks like text")
-    message = one_line_error(D.load_splits, config(f"files:{tmp_path}/pkg/*", tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(f"files:{tmp_path}/pkg/*", tmp_path / "cache"))
     assert message.startswith("data.source:") and ".pdf files" in message and "convert them" in message
 
 
@@ -415,7 +423,7 @@ def test_non_utf8_bytes_do_not_crash_the_byte_tokenizer(tmp_path):
     cfg = config(f"files:{src}", tmp_path / "cache", val_fraction=0.3)
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
     tokens = np.asarray(data.train.tokens)
-    assert tokens.max() <= EOS and (tokens == EOS).sum() == len(D.load_splits(cfg)["train"])
+    assert tokens.max() <= EOS and (tokens == EOS).sum() == len(data_splits.load_splits(cfg)["train"])
     text = data.tokenizer.decode(tokens)
     assert "\ufffd" in text and "latin-1 and junk" in text  # undecodable bytes became U+FFFD
     assert data.train_batch(0)["inputs"].shape == (4, 16)
@@ -469,7 +477,7 @@ def test_a_second_run_reuses_the_cache_and_tokenises_nothing(corpus, tmp_path, m
     assert meta["train"]["documents"] + meta["val"]["documents"] == len(corpus["docs"])
     assert meta["train"]["tokens"] == len(first.train.tokens) and meta["dtype"] == "uint16"
     restart()
-    monkeypatch.setattr(D, "_tokenise_split", _no_tokenising)
+    monkeypatch.setattr(data_cache, "_tokenise_split", _no_tokenising)
     messages.clear()
     second = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
     assert not messages
@@ -478,7 +486,7 @@ def test_a_second_run_reuses_the_cache_and_tokenises_nothing(corpus, tmp_path, m
     # the key depends on the source, the tokenizer and the split rules, not on the run's shape
     third = D.prepare(config(corpus["source"], tmp_path / "cache", val_fraction=0.2, seq_len=32), 4, 1, log=quiet())
     assert third.cache_path == first.cache_path
-    assert D.cache_key(cfg, D.ByteTokenizer()) != D.cache_key(
+    assert data_cache.cache_key(cfg, D.ByteTokenizer()) != data_cache.cache_key(
         config(corpus["source"], tmp_path / "cache", val_fraction=0.3), D.ByteTokenizer()
     )
 
@@ -508,12 +516,12 @@ def test_a_damaged_cache_is_detected_and_rebuilt(corpus, tmp_path, damage):
     path = first.cache_path
     del first
     damage(path)
-    assert not D._is_complete(path)
+    assert not data_cache._is_complete(path)
     restart()
     messages = []
     again = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
     assert any("tokenising" in m for m in messages)
-    assert again.cache_path == path and D._is_complete(path)
+    assert again.cache_path == path and data_cache._is_complete(path)
     np.testing.assert_array_equal(np.asarray(again.train.tokens), expected)
 
 
@@ -527,19 +535,21 @@ def test_a_pair_cache_is_reused_and_its_damage_detected(tmp_path, monkeypatch):
     path = first.cache_path
     restart()
     with monkeypatch.context() as m:
-        m.setattr(D, "_tokenise_split", _no_tokenising)
+        m.setattr(data_cache, "_tokenise_split", _no_tokenising)
         again = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
     for k in expected:
         np.testing.assert_array_equal(again.train_batch(2)[k], expected[k], err_msg=k)
     os.truncate(path / "val.target.offsets", 8)
-    assert not D._is_complete(path)
+    assert not data_cache._is_complete(path)
     restart()
     messages = []
     rebuilt = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
-    assert any("tokenising" in m for m in messages) and D._is_complete(path)
+    assert any("tokenising" in m for m in messages) and data_cache._is_complete(path)
     np.testing.assert_array_equal(rebuilt.train_batch(2)["targets"], expected["targets"])
     # the text cache of the same documents would be another: the pair fields are in the key
-    assert "pairs" in D._split_rules(cfg) and "pairs" not in D._split_rules(config("builtin:recall", tmp_path))
+    assert "pairs" in data_cache._split_rules(cfg) and "pairs" not in data_cache._split_rules(
+        config("builtin:recall", tmp_path)
+    )
 
 
 def _dead_pid() -> int:
@@ -550,28 +560,28 @@ def _dead_pid() -> int:
 
 def test_an_interrupted_build_leaves_nothing_that_looks_complete(corpus, tmp_path, monkeypatch):
     cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2)
-    real = D._tokenise_split
+    real = data_cache._tokenise_split
 
     def interrupted(split, text_field, tokenizer, dtype, path):
         if path.stem == "val":  # after the train split was written
             raise KeyboardInterrupt
         return real(split, text_field, tokenizer, dtype, path)
 
-    monkeypatch.setattr(D, "_tokenise_split", interrupted)
+    monkeypatch.setattr(data_cache, "_tokenise_split", interrupted)
     with pytest.raises(KeyboardInterrupt):
         D.prepare(cfg, batch_size=4, seed=0, log=quiet())
-    key = D.cache_key(cfg, D.ByteTokenizer())
+    key = data_cache.cache_key(cfg, D.ByteTokenizer())
     cache = tmp_path / "cache"
     assert not (cache / key).exists()
     assert not list(cache.glob(f"{key}*"))
-    monkeypatch.setattr(D, "_tokenise_split", real)
+    monkeypatch.setattr(data_cache, "_tokenise_split", real)
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
-    assert D._is_complete(data.cache_path)
+    assert data_cache._is_complete(data.cache_path)
 
 
 def test_stale_partial_builds_are_cleaned_and_live_ones_kept(corpus, tmp_path):
     cfg = config(corpus["source"], tmp_path / "cache", val_fraction=0.2)
-    key = D.cache_key(cfg, D.ByteTokenizer())
+    key = data_cache.cache_key(cfg, D.ByteTokenizer())
     cache = tmp_path / "cache"
     stale = cache / f"{key}.partial-{_dead_pid()}-deadbeef"
     live = cache / f"{key}.partial-{os.getpid()}-0123abcd"  # a build still running in a live process
@@ -581,17 +591,17 @@ def test_stale_partial_builds_are_cleaned_and_live_ones_kept(corpus, tmp_path):
         (d / "train.bin").write_bytes(b"\0" * 100)
         (d / "meta.json").write_text("{}")
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
-    assert data.cache_path == cache / key and D._is_complete(data.cache_path)
+    assert data.cache_path == cache / key and data_cache._is_complete(data.cache_path)
     assert not stale.exists()
     assert live.exists() and other.exists()
 
 
 def test_token_dtype():
-    assert D.token_dtype(259) == np.uint16
-    assert D.token_dtype(4096) == np.uint16
-    assert D.token_dtype(2**16) == np.uint16  # ids 0..65535 fit
-    assert D.token_dtype(2**16 + 1) == np.uint32
-    assert D.token_dtype(200_000) == np.uint32
+    assert data_cache.token_dtype(259) == np.uint16
+    assert data_cache.token_dtype(4096) == np.uint16
+    assert data_cache.token_dtype(2**16) == np.uint16  # ids 0..65535 fit
+    assert data_cache.token_dtype(2**16 + 1) == np.uint32
+    assert data_cache.token_dtype(200_000) == np.uint32
 
 
 def _wordlevel_tokenizer(path: Path, n_words: int) -> Path:
@@ -614,7 +624,9 @@ def test_a_vocab_beyond_uint16_is_stored_as_uint32_without_loss(tmp_path):
     assert data.vocab_size > 2**16 and data.train.tokens.dtype == np.uint32
     assert data.tokenizer.eos_id > 2**16
     eos = data.tokenizer.eos_id
-    expected = [i for d in texts(D.load_splits(cfg)["train"]) for i in [*(int(w[1:]) for w in d.split()), eos]]
+    expected = [
+        i for d in texts(data_splits.load_splits(cfg)["train"]) for i in [*(int(w[1:]) for w in d.split()), eos]
+    ]
     np.testing.assert_array_equal(np.asarray(data.train.tokens, np.int64), expected)
     byte = D.prepare(config(cfg.source, tmp_path / "cache", val_fraction=0.2), batch_size=4, seed=0, log=quiet())
     assert byte.train.tokens.dtype == np.uint16
@@ -641,14 +653,14 @@ def test_bpe_trained_saved_and_reloaded_gives_identical_ids(bpe_corpus, tmp_path
     assert saved.is_file()
     assert 259 < first.vocab_size <= 320
     stream = np.asarray(first.train.tokens)
-    n_bytes = sum(len(t.encode()) + 1 for t in texts(D.load_splits(cfg)["train"]))
+    n_bytes = sum(len(t.encode()) + 1 for t in texts(data_splits.load_splits(cfg)["train"]))
     assert len(stream) < 0.7 * n_bytes, "a trained BPE merges frequent byte pairs"
     assert stream.max() < first.vocab_size
     eos_positions = np.flatnonzero(stream == first.tokenizer.eos_id)
-    assert len(eos_positions) == len(D.load_splits(cfg)["train"]) and eos_positions[-1] == len(stream) - 1
+    assert len(eos_positions) == len(data_splits.load_splits(cfg)["train"]) and eos_positions[-1] == len(stream) - 1
     # decoding each document gives its text back
     docs = np.split(stream, eos_positions[:-1] + 1)
-    assert [first.tokenizer.decode(d) for d in docs[:5]] == texts(D.load_splits(cfg)["train"])[:5]
+    assert [first.tokenizer.decode(d) for d in docs[:5]] == texts(data_splits.load_splits(cfg)["train"])[:5]
 
     # a restart with the same run directory, in a fresh cache: the saved tokenizer, the same ids
     restart()
@@ -674,7 +686,7 @@ def test_a_literal_eos_in_a_document_is_not_a_document_boundary(tmp_path):
     cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache", tokenizer="bpe", vocab_size=300, val_fraction=0.1)
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
     stream = np.asarray(data.train.tokens)
-    train = texts(D.load_splits(cfg)["train"])
+    train = texts(data_splits.load_splits(cfg)["train"])
     assert len(train) >= 512
     assert (stream == data.tokenizer.eos_id).sum() == len(train) and stream[-1] == data.tokenizer.eos_id
     assert not (stream == data.tokenizer.pad_id).any()
@@ -691,8 +703,8 @@ def test_bpe_is_kept_in_the_cache_for_later_runs(bpe_corpus, tmp_path, monkeypat
     def no_training(*a, **k):
         raise AssertionError("trained again")
 
-    monkeypatch.setattr(D, "train_bpe", no_training)
-    monkeypatch.setattr(D, "_tokenise_split", _no_tokenising)
+    monkeypatch.setattr(data_cache, "train_bpe", no_training)
+    monkeypatch.setattr(data_cache, "_tokenise_split", _no_tokenising)
     second = D.prepare(cfg, batch_size=4, seed=0, workdir=tmp_path / "run2", log=quiet())
     assert (tmp_path / "run2" / "tokenizer.json").read_text() == (tmp_path / "run1" / "tokenizer.json").read_text()
     assert second.cache_path == first.cache_path
@@ -741,23 +753,25 @@ def test_empty_source(tmp_path):
 
 def test_empty_split(tmp_path):
     save_dict(tmp_path / "dd", train=make_docs(20), validation=[])
-    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'dd'}", tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(f"files:{tmp_path / 'dd'}", tmp_path / "cache"))
     assert message.startswith("data.source:") and "val" in message and "no documents" in message
 
     save_dict(tmp_path / "dd2", train=[], validation=make_docs(5))
-    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'dd2'}", tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(f"files:{tmp_path / 'dd2'}", tmp_path / "cache"))
     assert message.startswith("data.source:") and "train" in message
 
 
 def test_a_hash_split_that_leaves_validation_empty_names_val_fraction(tmp_path):
     write_jsonl(tmp_path / "src" / "a.jsonl", make_docs(20))
-    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'src'}", tmp_path / "cache", val_fraction=0.0))
+    message = one_line_error(
+        data_splits.load_splits, config(f"files:{tmp_path / 'src'}", tmp_path / "cache", val_fraction=0.0)
+    )
     assert message.startswith("data.val_fraction:") and "20 documents" in message
 
 
 def test_a_missing_train_split(tmp_path):
     save_dict(tmp_path / "dd", training=make_docs(20), validation=make_docs(5))
-    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'dd'}", tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(f"files:{tmp_path / 'dd'}", tmp_path / "cache"))
     assert message.startswith("data.train_split:") and "training" in message
 
 
@@ -834,8 +848,9 @@ def test_a_hub_dataset_while_offline(tmp_path):
         """
         from transformer import data as D
         from transformer.config import DataConfig
+        from transformer.data import splits as data_splits
         try:
-            D.load_splits(DataConfig(source="hf:someone/nonexistent-dataset", cache_dir="unused"))
+            data_splits.load_splits(DataConfig(source="hf:someone/nonexistent-dataset", cache_dir="unused"))
         except D.DataError as e:
             print("DATAERROR", e)
         """
@@ -859,7 +874,7 @@ def test_an_unreachable_hub_suggests_files_too(monkeypatch):
         raise ConnectionError("Couldn't reach 'someone/thing' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
-    message = one_line_error(D.load_splits, DataConfig(source="hf:someone/thing"))
+    message = one_line_error(data_splits.load_splits, DataConfig(source="hf:someone/thing"))
     assert message.startswith("data.source:") and "offline" in message and "files:" in message
 
 
@@ -872,8 +887,8 @@ def _no_network(monkeypatch) -> list[bool]:
     def refused(*a, **k):
         raise OSError(101, "Network is unreachable")
 
-    monkeypatch.setattr(D.socket, "create_connection", refused)
-    monkeypatch.setattr(D.urllib.request, "getproxies", lambda: {})
+    monkeypatch.setattr(data_sources.socket, "create_connection", refused)
+    monkeypatch.setattr(data_sources.urllib.request, "getproxies", lambda: {})
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     offline_at_call: list[bool] = []
@@ -892,7 +907,7 @@ def test_no_network_asks_only_the_local_cache_and_says_how_to_work_offline(monke
     from huggingface_hub import constants
 
     offline_at_call = _no_network(monkeypatch)
-    message = one_line_error(D.load_splits, DataConfig(source="hf:someone/thing"))
+    message = one_line_error(data_splits.load_splits, DataConfig(source="hf:someone/thing"))
     assert offline_at_call == [True]  # never online: no retries against a network that is not there
     assert not constants.HF_HUB_OFFLINE  # offline mode was for that one call
     assert message.startswith("data.source:") and "cannot reach the Hugging Face hub" in message
@@ -910,7 +925,7 @@ def test_no_network_with_a_cached_copy_of_the_dataset(monkeypatch):
         }
     )
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: cached)
-    assert len(D.load_splits(DataConfig(source="hf:someone/cached"))["train"]) == 20
+    assert len(data_splits.load_splits(DataConfig(source="hf:someone/cached"))["train"]) == 20
 
 
 # --- the built-in corpus -------------------------------------------------------------------------
@@ -1027,7 +1042,7 @@ def test_a_cache_dir_that_is_a_file_or_cannot_be_made_is_one_line(tmp_path, monk
     def read_only(*a, **k):  # what a read-only directory does to a non-root user (root may write anyway)
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(D.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(data_cache.tempfile, "mkstemp", read_only)
     message = one_line_error(D.prepare, config(source, tmp_path / "ro", val_fraction=0.2), 4, 0, log=quiet())
     assert message.startswith("data.cache_dir:") and "ro" in message and "not writable" in message
 
@@ -1040,7 +1055,7 @@ def test_a_read_only_cache_dir_holding_a_complete_cache_is_used(tmp_path, monkey
     def read_only(*a, **k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(D.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(data_cache.tempfile, "mkstemp", read_only)
     assert D.prepare(cfg, 4, 0, log=quiet()).train.count >= 4  # a shared, pre-built cache needs no writes
 
 
@@ -1070,7 +1085,7 @@ def test_an_unreadable_subdirectory_of_a_directory_source_is_not_skipped(tmp_pat
     write_jsonl(tmp_path / "src" / "a.jsonl", make_docs(20))
     write_jsonl(tmp_path / "src" / "more" / "b.jsonl", make_docs(20, seed=1))
     _deny(monkeypatch, tmp_path / "src" / "more")
-    message = one_line_error(D.load_splits, config(f"files:{tmp_path / 'src'}", tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(f"files:{tmp_path / 'src'}", tmp_path / "cache"))
     assert "permission denied" in message and str(tmp_path / "src" / "more") in message
 
 
@@ -1084,7 +1099,7 @@ def test_rows_without_text_are_dropped_and_reported(tmp_path):
     docs = make_docs(40)
     rows = [{"id": i} if i % 10 == 0 else {"text": None} if i % 10 == 5 else {"text": d} for i, d in enumerate(docs)]
     cfg = config(_rows(tmp_path / "src", rows), tmp_path / "cache", val_fraction=0.2)
-    splits = D.load_splits(cfg)
+    splits = data_splits.load_splits(cfg)
     kept = [d for i, d in enumerate(docs) if i % 5]
     assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(kept)  # no empty documents
     for _ in range(2):  # reported when the cache is built and when it is reused
@@ -1096,14 +1111,14 @@ def test_rows_without_text_are_dropped_and_reported(tmp_path):
 
 def test_mostly_missing_text_is_refused_naming_the_field(tmp_path):
     rows = [{"text": d} if i % 4 == 0 else {"body": d} for i, d in enumerate(make_docs(40))]
-    message = one_line_error(D.load_splits, config(_rows(tmp_path / "src", rows), tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(_rows(tmp_path / "src", rows), tmp_path / "cache"))
     assert message.startswith("data.text_field:") and "'text'" in message and "30 of 40 rows" in message
 
 
 @pytest.mark.parametrize("values", [[5, 6.5, 7], [5, "a text", None]], ids=["numbers", "mixed"])
 def test_numbers_in_the_text_field_are_refused(tmp_path, values):
     rows = [{"text": values[i % len(values)]} for i in range(30)]
-    message = one_line_error(D.load_splits, config(_rows(tmp_path / "src", rows), tmp_path / "cache"))
+    message = one_line_error(data_splits.load_splits, config(_rows(tmp_path / "src", rows), tmp_path / "cache"))
     assert message.startswith("data.text_field:") and "'text'" in message and "not text" in message
     assert f"{30 if values[1] == 6.5 else 10} of 30 rows" in message
 
@@ -1160,7 +1175,7 @@ def test_one_large_file_is_split_by_position_and_windows_never_overlap(big_file,
     text = big_file.read_text()
     cfg = config(f"files:{big_file}", tmp_path / "cache")  # the default val_fraction, 0.01
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
-    assert D.split_rule(cfg) == D.POSITION and data.summary["split"] == D.POSITION
+    assert data_splits.split_rule(cfg) == data_splits.POSITION and data.summary["split"] == data_splits.POSITION
     cut = len(text) - round(len(text) * cfg.val_fraction)
     np.testing.assert_array_equal(data.train.tokens, stream_of([text[:cut]]))
     np.testing.assert_array_equal(data.val.tokens, stream_of([text[cut:]]))
@@ -1185,13 +1200,15 @@ def test_a_multi_document_corpus_keeps_its_hash_split_and_cache_key(corpus, tmp_
     text into validation: within HASH_TOLERANCE, so kept, under the key it had before split rules."""
     cfg = config(corpus["source"], tmp_path / "cache")
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
-    assert D.split_rule(cfg) == D.HASH and data.summary["split"] == D.HASH
+    assert data_splits.split_rule(cfg) == data_splits.HASH and data.summary["split"] == data_splits.HASH
     rules = dict(text_field="text", train="train", val="validation", val_fraction=0.01)
-    old_key = D._digest(
-        dict(version=2, source=D.source_fingerprint(cfg), tokenizer=D.ByteTokenizer().fingerprint, split=rules)
+    old_key = data_cache._digest(
+        dict(
+            version=2, source=data_splits.source_fingerprint(cfg), tokenizer=D.ByteTokenizer().fingerprint, split=rules
+        )
     )
-    assert data.cache_path.name == old_key == D.cache_key(cfg, D.ByteTokenizer())
-    val = [d for d in corpus["docs"] if D._hash_fraction(d) < 0.01]
+    assert data.cache_path.name == old_key == data_cache.cache_key(cfg, D.ByteTokenizer())
+    val = [d for d in corpus["docs"] if data_splits._hash_fraction(d) < 0.01]
     np.testing.assert_array_equal(data.val.tokens, stream_of(val))
 
 
@@ -1200,8 +1217,8 @@ def test_uneven_documents_fall_back_to_position(tmp_path):
     docs = [novel(50_000, seed=1), "a short note on the side.", "another short note."]
     write_jsonl(tmp_path / "src" / "a.jsonl", docs)
     cfg = config(f"files:{tmp_path / 'src'}", tmp_path / "cache")
-    splits = D.load_splits(cfg)
-    assert D.split_rule(cfg) == D.POSITION
+    splits = data_splits.load_splits(cfg)
+    assert data_splits.split_rule(cfg) == data_splits.POSITION
     cuts = [len(d) - round(len(d) * 0.01) for d in docs]
     assert texts(splits["train"]) == [d[:c] for d, c in zip(docs, cuts)]
     assert texts(splits["val"]) == [d[c:] for d, c in zip(docs, cuts) if d[c:]]
@@ -1210,14 +1227,16 @@ def test_uneven_documents_fall_back_to_position(tmp_path):
 def test_the_position_cache_is_found_without_reading_the_source(big_file, tmp_path, monkeypatch):
     cfg = config(f"files:{big_file}", tmp_path / "cache")
     first = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
-    assert json.loads((first.cache_path / "meta.json").read_text())["split"] == D.POSITION
+    assert json.loads((first.cache_path / "meta.json").read_text())["split"] == data_splits.POSITION
     assert (
         first.cache_path.name
-        == D.cache_key(cfg, D.ByteTokenizer(), D.POSITION)
-        != D.cache_key(cfg, D.ByteTokenizer(), D.HASH)
+        == data_cache.cache_key(cfg, D.ByteTokenizer(), data_splits.POSITION)
+        != data_cache.cache_key(cfg, D.ByteTokenizer(), data_splits.HASH)
     )
     restart()
-    monkeypatch.setattr(D, "_documents", lambda cfg: pytest.fail("read the source although its cache is complete"))
+    monkeypatch.setattr(
+        data_splits, "documents", lambda cfg: pytest.fail("read the source although its cache is complete")
+    )
     messages = []
     second = D.prepare(cfg, batch_size=4, seed=0, log=quiet(messages))
     assert second.cache_path == first.cache_path and second.summary == first.summary and not messages
@@ -1237,7 +1256,7 @@ def test_the_startup_line_gives_sizes_rule_and_epochs(big_file, corpus, tmp_path
     data = D.prepare(small, batch_size=8, seed=0, log=quiet(messages), steps=1000)
     (line,) = [m for m in messages if m.startswith("data: ")]
     epochs = 1000 * 8 * 16 / data.summary["train_tokens"]
-    assert epochs > D.REPEAT_WARNING and "split by content hash" in line and f"~{epochs:.0f} times" in line
+    assert epochs > data_pipeline.REPEAT_WARNING and "split by content hash" in line and f"~{epochs:.0f} times" in line
 
 
 def _tiny_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -1272,7 +1291,7 @@ def test_one_big_text_file_trains_and_validates_from_the_cli(big_file, tmp_path)
     (line,) = [m for m in out.stdout.splitlines() if m.startswith("data: ")]
     assert "split by position" in line and "3 steps of 4 x 32 tokens" in line
     (start,) = [e for e in rundir.read_events(tmp_path / "run") if e["event"] == "start"]
-    assert start["data"]["split"] == D.POSITION and start["data"]["val_tokens"] > 0
+    assert start["data"]["split"] == data_splits.POSITION and start["data"]["val_tokens"] > 0
     assert any("val_loss" in r and np.isfinite(r["val_loss"]) for r in rundir.read_metrics(tmp_path / "run"))
 
 
@@ -1282,13 +1301,13 @@ def test_one_big_text_file_trains_and_validates_from_the_cli(big_file, tmp_path)
 def test_a_separator_turns_a_file_into_documents(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.txt").write_text("first line\nsame paragraph\n\nsecond\n\n\n\nthird\n\n  \n\nfourth\n")
-    splits = D.load_splits(
+    splits = data_splits.load_splits(
         config(f"files:{tmp_path / 'src'}", tmp_path / "cache", document_separator="\n\n", val_fraction=0.5)
     )
     # empty and whitespace-only pieces are left out, the others kept verbatim
     expected = ["first line\nsame paragraph", "second", "third", "fourth\n"]
     assert sorted(texts(splits["train"]) + texts(splits["val"])) == sorted(expected)
-    whole = D.load_splits(config(f"files:{tmp_path / 'src'}", tmp_path / "cache2", val_fraction=0.2))
+    whole = data_splits.load_splits(config(f"files:{tmp_path / 'src'}", tmp_path / "cache2", val_fraction=0.2))
     assert len(whole["train"]) == len(whole["val"]) == 1  # without it, one document (split by position)
 
 
@@ -1296,8 +1315,8 @@ def test_separated_documents_get_eos_and_document_masks(big_file, tmp_path):
     paragraphs = [p for p in big_file.read_text().split("\n\n") if p.strip()]
     cfg = config(f"files:{big_file}", tmp_path / "cache", document_separator="\n\n", document_mask=True, seq_len=64)
     data = D.prepare(cfg, batch_size=8, seed=0, log=quiet())
-    assert data.summary["split"] == D.HASH  # thousands of documents now: the hash split works
-    val = [p for p in paragraphs if D._hash_fraction(p) < cfg.val_fraction]
+    assert data.summary["split"] == data_splits.HASH  # thousands of documents now: the hash split works
+    val = [p for p in paragraphs if data_splits._hash_fraction(p) < cfg.val_fraction]
     np.testing.assert_array_equal(data.train.tokens, stream_of([p for p in paragraphs if p not in set(val)]))
     np.testing.assert_array_equal(data.val.tokens, stream_of(val))
     assert data.summary["train_documents"] + data.summary["val_documents"] == len(paragraphs)
@@ -1316,7 +1335,9 @@ def test_separated_documents_get_eos_and_document_masks(big_file, tmp_path):
 
 def test_the_separator_is_part_of_the_cache_key(corpus, tmp_path):
     keys = {
-        D.cache_key(config(corpus["source"], tmp_path / "c", document_separator=s, val_fraction=0.2), D.ByteTokenizer())
+        data_cache.cache_key(
+            config(corpus["source"], tmp_path / "c", document_separator=s, val_fraction=0.2), D.ByteTokenizer()
+        )
         for s in (None, "\n\n", ": ")
     }
     assert len(keys) == 3
@@ -1336,14 +1357,14 @@ def other(tmp_path_factory):
 def test_val_source_validates_as_the_sources_own_validation_split_would(corpus, other, tmp_path):
     cfg = config(corpus["source"], tmp_path / "cache", val_source=other["source"], val_windows=16)
     data = D.prepare(cfg, batch_size=4, seed=0, log=quiet())
-    assert D.split_rule(cfg) == D.VAL_SOURCE and data.summary["split"] == D.VAL_SOURCE
+    assert data_splits.split_rule(cfg) == data_splits.VAL_SOURCE and data.summary["split"] == data_splits.VAL_SOURCE
     np.testing.assert_array_equal(data.train.tokens, stream_of(corpus["docs"]))  # all of it trains
     np.testing.assert_array_equal(data.val.tokens, stream_of(other["docs"]))
     # the same as a source whose own validation split is the other corpus: the same val batches, so
     # the same val loss for the same parameters
     save_dict(tmp_path / "dd", train=corpus["docs"], validation=other["docs"])
     own = D.prepare(config(f"files:{tmp_path / 'dd'}", tmp_path / "cache", val_windows=16), 4, 0, log=quiet())
-    assert own.summary["split"] == D.SOURCE
+    assert own.summary["split"] == data_splits.SOURCE
     for a, b in zip(data.val_batches(4), own.val_batches(4), strict=True):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
@@ -1414,16 +1435,16 @@ def test_mixture_proportions_over_any_1000_steps_are_within_1_percent(weights):
     start (periods of the schedule included), hold each source's weight to within 1%; and every
     prefix of rows is within three rows of its share of the rounded weights (quota / period, within
     1 / period of the weights)."""
-    schedule = D.Schedule.of(list(weights))
+    schedule = data_batches.Schedule.of(list(weights))
     w = np.asarray(weights) / sum(weights)
     B, steps = 16, 1000
     for start in (0, 1, 777, 1023, 50_000, 10**7 + 3):
         source, _ = schedule.locate(np.arange(start * B, (start + steps) * B))
         share = np.bincount(source, minlength=len(w)) / (steps * B)
         assert np.abs(share - w).max() < 0.01, (start, share, w)
-    rounded = schedule.quota / D.MIXTURE_PERIOD
-    assert np.abs(rounded - w).max() <= 1 / D.MIXTURE_PERIOD
-    source, _ = schedule.locate(np.arange(5 * D.MIXTURE_PERIOD))
+    rounded = schedule.quota / data_batches.MIXTURE_PERIOD
+    assert np.abs(rounded - w).max() <= 1 / data_batches.MIXTURE_PERIOD
+    source, _ = schedule.locate(np.arange(5 * data_batches.MIXTURE_PERIOD))
     counts = np.cumsum(np.eye(len(w))[source], axis=0)
     ideal = np.arange(1, len(source) + 1)[:, None] * rounded
     assert np.abs(counts - ideal).max() < 3
@@ -1432,7 +1453,7 @@ def test_mixture_proportions_over_any_1000_steps_are_within_1_percent(weights):
 @pytest.mark.parametrize("weights", [(0.7, 0.3), (0.5, 0.3, 0.2)])
 def test_each_source_reads_its_own_stream_without_gap_or_repeat(weights):
     """Row k's index in its source's stream is the number of rows given to that source before k."""
-    source, index = D.Schedule.of(list(weights)).locate(np.arange(3 * D.MIXTURE_PERIOD + 100))
+    source, index = data_batches.Schedule.of(list(weights)).locate(np.arange(3 * data_batches.MIXTURE_PERIOD + 100))
     for j in range(len(weights)):
         np.testing.assert_array_equal(index[source == j], np.arange((source == j).sum()))
 

@@ -10,6 +10,7 @@ import pytest
 from transformer import data as D
 from transformer.config import DataConfig
 from transformer.data import objectives as O
+from transformer.data import splits as data_splits
 from transformer.data.tokenizer import ByteTokenizer
 from transformer.synthetic import Seq2seqTask
 
@@ -121,7 +122,7 @@ def test_mlm_weights_exactly_the_chosen_tokens(tmp_path):
         assert not np.isin(original[chosen], [BOS, EOS, PAD]).any()
         eligible = (~np.isin(original, [BOS, EOS, PAD])).sum(1)
         np.testing.assert_array_equal(chosen.sum(1), np.maximum(1, np.round(0.15 * eligible)))
-        layout = D.document_layout(original, EOS)
+        layout = O.document_layout(original, EOS)
         for k in ("segment_ids", "positions"):
             np.testing.assert_array_equal(batch[k], layout[k])
 
@@ -147,7 +148,7 @@ def test_mlm_replacement_proportions():
 
 def test_mlm_randomness_is_a_function_of_seed_step_and_row(tmp_path):
     data = prepare(tmp_path, objective="mlm", **MLM_KEYS)
-    D._load_splits.cache_clear()
+    data_splits._load_splits.cache_clear()
     again = prepare(tmp_path, objective="mlm", **MLM_KEYS)
     for step in (0, 9):
         first, second = data.train_batch(step), again.train_batch(step)
