@@ -274,7 +274,7 @@ def test_a_member_with_another_config_in_its_directory_is_refused(tmp_path):
 def test_a_member_leaving_the_dtype_to_auto_is_not_refused_for_the_dtype_its_run_recorded(tmp_path):
     """A run directory records the dtype auto chose where it ran; re-preparing the sweep leaves that
     to the member's own train.py (which knows its machine) and still refuses a change of shape."""
-    from transformer.sweep import prepare
+    from transformer.sweep import prepare_sweep as prepare
 
     s = sweep({"grid": {"optim.lr": [1e-3]}})
     (member,) = s.members

@@ -1,4 +1,4 @@
-"""Launchers: where a sweep's members run. `local` (transformer/sweep/'s SweepRunner, the default),
+"""Launchers: where a sweep's members run. `local` (transformer/sweep/runner.py's SweepRunner, the default),
 `ray` (each member a Ray task on a cluster, or on a Ray instance started here) and `slurm` (one job
 array, one task per member, from a script written to DIR/slurm/ that can be read and resubmitted).
 
@@ -29,21 +29,18 @@ from transformer import rundir
 from transformer.config import ROOT, Config
 from transformer.errors import EXIT_PREEMPTED
 from transformer.rundir import FINAL
-from transformer.sweep import (
-    LOGS_DIR,
+from transformer.sweep.claims import STALE_AFTER, claim_path, run_claimed
+from transformer.sweep.expansion import LOGS_DIR, Member, Sweep, SweepError
+from transformer.sweep.runner import (
     TRAIN_SCRIPT,
-    Member,
-    Sweep,
-    SweepError,
     SweepOutcome,
     die_with,
     member_config_path,
     prctl_function,
-    prepare,
+    prepare_sweep,
     relative,
     result_summary,
 )
-from transformer.sweep.claims import STALE_AFTER, claim_path, run_claimed
 
 LAUNCHERS = ("local", "ray", "slurm")
 SLURM_DIR = "slurm"
@@ -215,7 +212,7 @@ class RayLauncher:
     def run(self, address: str | None) -> SweepOutcome:
         import ray
 
-        statuses = prepare(self.sweep, self.workdir)
+        statuses = prepare_sweep(self.sweep, self.workdir)
         pending = [m for m in self.sweep.members if statuses[m.name] not in FINAL]
         self.done = len(self.sweep.members) - len(pending)
         # workers import this package (run_member) from this checkout: a cluster's nodes share its file system
@@ -374,7 +371,7 @@ exit $rc
 def submit_slurm(sweep: Sweep, workdir: Path, options: dict, wait: bool) -> SweepOutcome | None:
     """Write DIR/slurm/sweep.sbatch and submit the unfinished members' tasks; with `wait`, block until
     the array is done and say how it went."""
-    statuses = prepare(sweep, workdir)
+    statuses = prepare_sweep(sweep, workdir)
     todo = [i for i, m in enumerate(sweep.members) if statuses[m.name] not in FINAL]
     script = workdir / SLURM_DIR / SLURM_SCRIPT
     rundir.atomic_write(script, slurm_script(sweep, workdir, options))

@@ -10,7 +10,7 @@ from pathlib import Path
 from transformer.config import Config
 from transformer.rundir import ScalarSink
 
-SWEEP_MANIFEST = "sweep.json"  # transformer/sweep/'s MANIFEST: a member's parent directory holds it
+SWEEP_MANIFEST = "sweep.json"  # transformer/sweep/expansion.py's MANIFEST: a member's parent directory holds it
 
 
 def scalar_sinks(cfg: Config, workdir: Path | None, lead: bool) -> list[ScalarSink]:
