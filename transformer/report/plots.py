@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from transformer.report import LR_KEY, Report, format_value, short_key
+from transformer.report.stats import LR_KEY, Report, format_value, short_key
 
 FACET_ABOVE = 8  # more variants than this: one panel per level of the compared key
 

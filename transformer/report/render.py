@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from transformer.report import BUDGET_TAIL, LR_KEY, Report, build, format_value, mean_std, short_key
 from transformer.report.plots import plot_all
+from transformer.report.stats import BUDGET_TAIL, LR_KEY, Report, build, format_value, mean_std, short_key
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
