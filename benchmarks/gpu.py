@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from throughput import Stepper
 
-from transformer import accelerator, sharding
+from transformer import accelerator, limits
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
 from transformer.model.summary import count_params, flops_per_token
@@ -89,7 +89,7 @@ def measure(model: str, attention: str, steps: int, tiny: bool) -> dict:
     row: dict = {"model": model, "attention": attention, "device": device.device_kind, "jax": jax.__version__}
     try:
         cfg, plan = fitting_config(model, attention, tiny)
-        sharding.check_attention_support(cfg.model)
+        limits.check_attention_support(cfg.model)
     except (ConfigError, preflight.OutOfMemory) as e:
         return {**row, "error": str(e)}
     times = time_steps(cfg, steps)
@@ -126,11 +126,11 @@ def table(path: Path) -> str:
                 f"| {r['model']} | {r['attention']} | | | | not run: {r['error']} | | | | {r.get('device', '')} |"
             )
             continue
-        peak = sharding.human_bytes(r["peak_memory"]) if r.get("peak_memory") else "n/a"
+        peak = limits.human_bytes(r["peak_memory"]) if r.get("peak_memory") else "n/a"
         out.append(
             f"| {r['model']}{' (tiny)' if r.get('tiny') else ''} | {r['attention']} | {r['params'] / 1e6:.1f}M | "
             f"{r['batch']} | {r['remat']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {peak} | "
-            f"{sharding.human_bytes(r['planned_memory'])} | {r['device']} |"
+            f"{limits.human_bytes(r['planned_memory'])} | {r['device']} |"
         )
     return "\n".join(out)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import tiny_run_overrides, write_corpus
 
-from transformer import accelerator, sharding
+from transformer import accelerator, limits, sharding
 from transformer.config import Config, DataConfig, ModelConfig
 from transformer.config_loader import load_config
 from transformer.data import prepare
@@ -103,7 +103,7 @@ def test_auto_on_cpu_runs_blocked_and_says_so(tmp_path):
     runs = {}
     for impl in ("auto", "blocked"):
         cfg = load_config(None, [*base, f"model.attention_impl={impl}"])
-        sharding.check_platform(cfg)
+        limits.check_platform(cfg)
         data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
         cfg = cfg.with_vocab(data.vocab_size)
         lines: list[str] = []

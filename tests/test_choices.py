@@ -12,7 +12,7 @@ import jax
 import pytest
 from conftest import tiny_run_overrides, write_corpus
 
-from transformer import sharding
+from transformer import limits, sharding
 from transformer.config import Config, ConfigError
 from transformer.config_loader import load_config
 from transformer.data import prepare
@@ -120,7 +120,7 @@ def _overrides(corpus: Path, cache: Path, choices: list[tuple[str, typing.Any]])
 def _refusal(choices: list[tuple[str, typing.Any]]) -> ConfigError | None:
     """Why the schema or the platform refuses these choices together, or None."""
     try:
-        sharding.check_platform(load_config(None, _overrides(Path("docs.jsonl"), Path("cache"), choices)))
+        limits.check_platform(load_config(None, _overrides(Path("docs.jsonl"), Path("cache"), choices)))
     except ConfigError as e:
         return e
     return None

@@ -1548,6 +1548,7 @@ def test_per_source_val_losses_equal_evaluating_each_source_alone(sources, tmp_p
     from transformer import sharding
     from transformer.config_loader import load_config
     from transformer.train.trainer import Trainer
+    from transformer.train.validation import validation_metrics
 
     mixed = mixture(sources, tmp_path, val_windows=6)
     data = D.prepare(mixed, 4, seed=0, log=quiet())
@@ -1555,10 +1556,10 @@ def test_per_source_val_losses_equal_evaluating_each_source_alone(sources, tmp_p
     cfg = load_config(None, [*tiny, "train.batch_size=4"]).with_vocab(data.vocab_size)
     trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
     params = trainer.init(jax.random.key(0)).params
-    result = trainer.evaluate(params, data)
+    result = validation_metrics(trainer, params, data)
     for i, part in enumerate(data.parts):
         alone = D.prepare(mixed.mixture_source(i), 4, seed=0, log=quiet())
-        own = trainer.evaluate(params, alone)
+        own = validation_metrics(trainer, params, alone)
         assert result[f"val/{part.name}/loss"] == pytest.approx(own["val_loss"], rel=1e-6)
         assert result[f"val/{part.name}/bits_per_byte"] == pytest.approx(own["val_bits_per_byte"], rel=1e-6)
     total = sum(p.weight * result[f"val/{p.name}/loss"] for p in data.parts)

@@ -101,8 +101,8 @@ def test_auto_chunks_only_large_vocabularies():
 
 
 def test_the_memory_bound_counts_one_chunk_of_logits():
-    """The refusal before anything is built (sharding.training_bytes) must stay a lower bound."""
-    from transformer.sharding import training_bytes
+    """The refusal before anything is built (limits.training_bytes) must stay a lower bound."""
+    from transformer.limits import training_bytes
 
     sizes = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
     cfg = Config(model=ModelConfig(vocab_size=50257), data=DataConfig(seq_len=8192), train=TrainConfig(batch_size=2))

@@ -8,7 +8,7 @@ import jax
 import pytest
 from conftest import ROOT, tiny_run_overrides, write_corpus
 
-from transformer import cli, sharding
+from transformer import cli, limits, sharding
 from transformer.config_loader import load_config
 from transformer.errors import EXIT_FAILED, EXIT_USAGE
 from transformer.model.summary import count_params
@@ -80,7 +80,7 @@ def test_impossible_config_exits_2_in_one_line(capsys):
 
 
 def test_a_step_larger_than_the_device_exits_2_with_figures_and_knobs(capsys, monkeypatch):
-    monkeypatch.setattr(sharding, "device_memory", lambda: (100_000, "a 100 kB test device"))
+    monkeypatch.setattr(limits, "device_memory", lambda: (100_000, "a 100 kB test device"))
     code = cli.train_main(["--preflight", *TINY, "model.n_layers=1"])
     _one_line(capsys, code, "out of memory", "activations and temporaries", "100 kB", "model.remat", "grad_accum")
 

@@ -20,8 +20,8 @@ from transformer.config_loader import load_config
 from transformer.data import prepare
 from transformer.model.summary import count_params
 from transformer.train.loop import train
+from transformer.train.loss import cross_entropy
 from transformer.train.optim import decay_mask, schedule
-from transformer.train.trainer import cross_entropy
 
 
 @pytest.fixture(scope="session")

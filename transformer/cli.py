@@ -401,7 +401,7 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 def _check_sampling(args: argparse.Namespace, cfg: Config, n_prompts: int) -> None:
     """The sampling flags against the model: k within its vocabulary, the KV cache within memory."""
     from transformer.accelerator import resolve
-    from transformer.sharding import check_generation_memory
+    from transformer.limits import check_generation_memory
 
     model = resolve(cfg).model  # the KV cache in the dtype this machine computes in
     if args.top_k is not None and args.top_k > model.vocab_size:

@@ -86,7 +86,7 @@ class Data:
 
     def val_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
         """The fixed validation windows in batches; a short last batch is padded and weighted 0. A
-        mixture's are its sources' in turn (each validates separately: see Trainer.evaluate)."""
+        mixture's are its sources' in turn (each validates separately: see train/validation.py)."""
         if self.parts:
             return [b for part in self.parts for b in part.data.val_batches(batch_size)]
         out = []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax
 
-from transformer import rundir, sharding
+from transformer import limits, rundir, sharding
 from transformer.accelerator import resolve
 from transformer.config import SAFE_ON_RESUME, Config, ConfigError, config_changes
 from transformer.config_loader import apply_overrides, from_dict
@@ -17,6 +17,7 @@ from transformer.data.tokenizer import TokenizerError
 from transformer.eval.generate import SamplingConfig, fill_mask, generate, generate_seq2seq
 from transformer.io.checkpoint import Checkpointer
 from transformer.train.trainer import Trainer
+from transformer.train.validation import validation_metrics
 
 
 def run_config(workdir: Path, overrides: list[str]) -> Config:
@@ -28,7 +29,7 @@ def run_config(workdir: Path, overrides: list[str]) -> Config:
     check_parameter_shapes(saved, cfg)
     # a run trained elsewhere (float16 or cuDNN attention on a GPU) may not run here: say which
     # override would (model.dtype and model.attention_impl keep the parameters' shapes)
-    sharding.check_attention_support(resolve(cfg).model)
+    limits.check_attention_support(resolve(cfg).model)
     return cfg
 
 
@@ -81,7 +82,7 @@ def restore_params(cfg: Config, workdir: Path, step: int | None, trainer: Traine
 def split_windows(data: Data, split: str, limit: int | None = None) -> Data:
     """The windows to evaluate: the fixed validation set, or as many evenly spaced training windows
     (bits per byte then by the training split's bytes per token); the first `limit` of them when
-    given. A mixture's are each source's own, chosen so (its parts are what Trainer.evaluate reads)."""
+    given. A mixture's are each source's own, chosen so (its parts are what validation_metrics reads)."""
     if data.parts:
         parts = tuple(dataclasses.replace(p, data=split_windows(p.data, split, limit)) for p in data.parts)
         first = parts[0].data
@@ -132,7 +133,7 @@ def evaluate_params(
             "data.tokenizer", f"gives {data.vocab_size} ids; the model was trained with {cfg.model.vocab_size}"
         )
     data = split_windows(data, split, None if batches is None else batches * cfg.train.batch_size)
-    result = trainer.evaluate(params, data)
+    result = validation_metrics(trainer, params, data)
     out = {
         "step": step,
         "split": split,

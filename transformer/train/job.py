@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from transformer import rundir, sharding
+from transformer import limits, rundir, sharding
 from transformer.accelerator import settle_dtype
 from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data, prepare
@@ -25,7 +25,7 @@ from transformer.train.trainer import Trainer, TrainState
 def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
     """The `train.py` job: resume checks, data, the resolved config, training, checkpoints, and a summary.
     The run directory is locked for the job's life (rundir.Busy when another process writes it)."""
-    sharding.check_platform(cfg)  # refuse an impossible mesh, dtype, attention or size before any work
+    limits.check_platform(cfg)  # refuse an impossible mesh, dtype, attention or size before any work
     resume_changes(cfg, workdir)  # refuse an unsafe change before touching the directory (the lock file)
     with writer_lock(workdir):  # ... and check again under the lock, in _run
         return _run(cfg, workdir, log)

@@ -30,6 +30,7 @@ from transformer.train.monitor import COLLAPSE_LOAD, Anomaly, Faults, Monitor, M
 from transformer.train.profile import ProfileWindow
 from transformer.train.signals import Preempted, StopSignal
 from transformer.train.trainer import Trainer, TrainState, default_controls
+from transformer.train.validation import validation_metrics
 from transformer.train.wandb_sink import scalar_sinks
 
 
@@ -177,7 +178,7 @@ class TrainLoop:
         done = step + 1
         self.pending.append((done, metrics))
         last = done == self.cfg.train.steps
-        evaluated = self.evaluate(done, last)
+        evaluated = self.validate(done, last)
         self.layer_stats(done, metrics, batch)
         if self.rollback_to is None and (done % every == 0 or last):
             self.checkpoint(done, metrics, evaluated)
@@ -204,14 +205,14 @@ class TrainLoop:
         loss_limit, grad_limit = self.monitor.limits(up_to=step - 1)
         return default_controls(lr_scale, loss_limit, grad_limit, nan_grads=self.faults.nan_grads(step))
 
-    def evaluate(self, done: int, last: bool) -> float | None:
+    def validate(self, done: int, last: bool) -> float | None:
         """Evaluate when due and no rollback is pending; the validation loss, or None."""
         if self.rollback_to is not None or not (done % self.cfg.train.eval_every == 0 or last):
             return None
         self.observe()
         if self.rollback_to is not None:
             return None
-        self.val = self.trainer.evaluate(self.state.params, self.data)
+        self.val = validation_metrics(self.trainer, self.state.params, self.data)
         self.writer.scalars(done, self.val)
         return self.val["val_loss"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from transformer import sharding
+from transformer import limits, sharding
 from transformer.accelerator import resolve
 from transformer.config import Config, ConfigError
 from transformer.data.objectives import row_lengths, row_tokens
@@ -69,7 +69,7 @@ class Target:
 
 
 def local_target() -> Target:
-    capacity, where = sharding.device_memory()
+    capacity, where = limits.device_memory()
     return Target(jax.devices(), capacity, where, f"{jax.device_count()} local {jax.devices()[0].platform} device(s)")
 
 
@@ -173,7 +173,7 @@ def compile_step(trainer: Trainer, batch: dict) -> tuple[jax.stages.Compiled, fl
         compiled = trainer.train_step.lower(state, batch, default_controls()).compile()
     except jax.errors.JaxRuntimeError as e:
         if is_out_of_memory(e):
-            b = sharding.human_bytes
+            b = limits.human_bytes
             raise OutOfMemory(
                 f"out of memory compiling the train step ({first_line(e)}); per device: parameters "
                 f"{b(per_device_bytes(state.params))}, optimiser state {b(per_device_bytes(state.opt_state))}, "
@@ -222,7 +222,7 @@ class Plan:
         return {k: getattr(self, k) for k in parts}
 
     def memory(self) -> str:
-        b = sharding.human_bytes
+        b = limits.human_bytes
         return (
             f"memory per device: parameters {b(self.parameters)}, optimiser state {b(self.optimizer)}, "
             f"batch {b(self.batch)}, activations and temporaries {b(self.temporaries)}; "
@@ -333,7 +333,7 @@ def plan(cfg: Config, target: Target) -> Plan:
     cfg = resolve(cfg, target.platform)
     local = target.platform == jax.default_backend()
     if local:  # what this backend cannot run at all (cudnn on CPU, ...)
-        sharding.check_attention_support(cfg.model)
+        limits.check_attention_support(cfg.model)
     mesh = sharding.make_mesh(cfg, target.devices)
     trainer = Trainer(cfg, mesh)
     batch = abstract_batch(cfg, mesh)

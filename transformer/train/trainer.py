@@ -1,4 +1,5 @@
-"""What one step computes: the train state, the loss, and the jitted init, train, eval and stats steps.
+"""What one step computes: the train state, the loss, and the jitted init, train, eval and stats steps
+(validation over many batches, on the host, is `validation.py`'s).
 
 The host loop that drives them is `transformer/train/loop.py`; the `train.py` job around it `transformer/train/job.py`.
 
@@ -21,13 +22,11 @@ from flax import nnx
 
 from transformer import accelerator, sharding
 from transformer.config import Config
-from transformer.data import Data
 from transformer.model import Transformer
 from transformer.model.layers import placing
 from transformer.model.moe import STEP_METRICS
 from transformer.model.transformer import layer_slots
 from transformer.train import loss
-from transformer.train.loss import cross_entropy as cross_entropy  # its old home: callers import it from here
 from transformer.train.optim import make_optimizer, schedule
 
 
@@ -269,47 +268,3 @@ class Trainer:
 
     def put_batch(self, local: dict[str, np.ndarray], global_rows: int) -> dict[str, jax.Array]:
         return sharding.global_batch(local, self.mesh, global_rows)
-
-    def evaluate(self, params, data: Data) -> dict[str, float]:
-        """Loss, perplexity and bits/byte on the fixed validation windows. A mixture reports each
-        source's (val/<name>/loss, val/<name>/bits_per_byte) and, as val_loss and val_bits_per_byte,
-        their means weighted by the sources' weights (not by their validation tokens: the total
-        means the same mixture the run trains on, however many windows each source validates on)."""
-        if not data.parts:
-            return self._evaluate(params, data)
-        out: dict[str, float] = {}
-        for part in data.parts:
-            own = self._evaluate(params, part.data)
-            out[f"val/{part.name}/loss"] = own["val_loss"]
-            out[f"val/{part.name}/bits_per_byte"] = own["val_bits_per_byte"]
-            out[f"val/{part.name}/accuracy"] = own["val_accuracy"]
-        loss, bpb, accuracy = (
-            sum(p.weight * out[f"val/{p.name}/{name}"] for p in data.parts)
-            for name in ("loss", "bits_per_byte", "accuracy")
-        )
-        return {
-            "val_loss": loss,
-            "val_perplexity": math.exp(min(loss, 700.0)),
-            "val_bits_per_byte": bpb,
-            "val_accuracy": accuracy,
-            **out,
-        }
-
-    def _evaluate(self, params, data: Data) -> dict[str, float]:
-        B = self.cfg.train.batch_size
-        pidx, pcount = jax.process_index(), jax.process_count()
-        per = B // pcount
-        nll, count, correct = 0.0, 0.0, 0.0
-        for batch in data.val_batches(B):
-            local = {k: v[pidx * per : (pidx + 1) * per] for k, v in batch.items()}
-            n, c, r = self.eval_step(params, self.put_batch(local, B))
-            nll, count, correct = nll + float(n), count + float(c), correct + float(r)
-        loss = nll / count
-        out = {
-            "val_loss": loss,
-            "val_perplexity": math.exp(min(loss, 700.0)),
-            "val_accuracy": correct / count,  # of the predicted tokens: every one, or the masked ones (mlm)
-        }
-        if self.cfg.data.objective == "causal":  # elsewhere not every byte of the text is predicted
-            out["val_bits_per_byte"] = loss / math.log(2) / data.val_bytes_per_token
-        return out
