@@ -32,7 +32,9 @@ def _fail(prog: str, message: str) -> NoReturn:
 
 
 def train_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py", description="Train a decoder-only Transformer from a YAML config.")
+    p = _Parser(
+        prog="train.py", description="Train a Transformer (decoder, encoder or encoder-decoder) from a YAML config."
+    )
     p.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/default.yaml)")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, values parsed as YAML")
     p.add_argument("--workdir", default=None, help="run directory (default: runs/<config>-<time>)")
@@ -49,7 +51,7 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
-    from transformer.sweep.launch import add_arguments
+    from transformer.sweep import add_arguments
 
     add_arguments(p)  # claims, --shared, --launcher local|ray|slurm and their options
     return p
@@ -89,7 +91,7 @@ def train_main(argv: list[str] | None = None) -> int:
         sweep = load_sweep(args.config, args.overrides)
         cfg = load_config(args.config, args.overrides) if sweep is None else None
         if cfg is not None and cfg.model.init_from is not None:  # the architecture from its config.json
-            from transformer.io.hf import with_pretrained
+            from transformer.io import with_pretrained
 
             cfg = with_pretrained(cfg, args.config, args.overrides)
     except ConfigError as e:
@@ -111,15 +113,14 @@ def train_main(argv: list[str] | None = None) -> int:
     _distributed(args)
     workdir = Path(args.workdir) if args.workdir else _default_workdir(args.config)
     if args.claim:  # a member run by a scheduler, a Ray task or a SLURM array task: claimed first
-        from transformer.sweep.launch import claimed
+        from transformer.sweep import claimed
 
         return claimed(cfg, workdir, args.stale_after, lambda: _train_job(cfg, workdir))
     return _train_job(cfg, workdir)
 
 
 def _check_launch_arguments(args: argparse.Namespace, sweep: Sweep | None) -> None:
-    from transformer.sweep import SweepError
-    from transformer.sweep.launch import check_arguments
+    from transformer.sweep import SweepError, check_arguments
 
     try:
         problem = check_arguments(args, sweep)
@@ -132,7 +133,7 @@ def _check_launch_arguments(args: argparse.Namespace, sweep: Sweep | None) -> No
 def _preflight_main(configs: list[tuple[str, Config]], topology: str | None) -> int:
     """`--preflight`: each config's compiled memory and FLOPs; EXIT_USAGE and a line for each that is
     impossible or does not fit (a sweep's members are all tried)."""
-    from transformer.train.preflight import OutOfMemory, run_preflight
+    from transformer.train import OutOfMemory, run_preflight
 
     code = 0
     for name, cfg in configs:
@@ -160,12 +161,9 @@ def _is_file(text: str) -> bool:
 def _train_job(cfg: Config, workdir: Path) -> int:
     """Run the job; each way it can end becomes its exit code and at most one line on stderr."""
     from transformer.data import DataError
-    from transformer.io.checkpoint import CheckpointError
+    from transformer.io import CheckpointError
     from transformer.rundir import Busy
-    from transformer.train.job import run
-    from transformer.train.monitor import MonitorStop
-    from transformer.train.preflight import OutOfMemory
-    from transformer.train.signals import Preempted
+    from transformer.train import MonitorStop, OutOfMemory, Preempted, run
 
     try:
         run(cfg, workdir)
@@ -215,7 +213,7 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         if args.launcher != "local":
-            from transformer.sweep.launch import launch
+            from transformer.sweep import launch
 
             outcome = launch(args, sweep, workdir)
             if outcome is None:  # submitted to a scheduler, not waited for
@@ -227,7 +225,7 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     except Busy as e:  # another sweep runs in this directory
         _fail("train.py", str(e))
     if not outcome.interrupted:  # an interrupted sweep is compared once a rerun has finished it
-        from transformer.report.render import write_report
+        from transformer.report import write_report
 
         report = write_report(workdir)
         print(f"report: {relative(report)}")
@@ -240,8 +238,8 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
 def _dry_run(cfg: Config) -> int:
     """The resolved config and the model summary."""
     from transformer.accelerator import resolve
-    from transformer.data.objectives import row_lengths
-    from transformer.model.summary import summary_text
+    from transformer.data import row_lengths
+    from transformer.model import summary_text
 
     print(cfg.to_yaml().rstrip())
     print()
@@ -253,7 +251,7 @@ def _dry_run(cfg: Config) -> int:
 
 def _sweep_dry_run(sweep: Sweep) -> int:
     """Print each member's values, seed and size; run nothing."""
-    from transformer.model.summary import count_params
+    from transformer.model import count_params
 
     for m in sweep.members:
         values = ", ".join(f"{k}={v}" for k, v in {**m.labels, **m.values}.items())
@@ -320,7 +318,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 def _compare_main(directory: Path) -> int:
     from transformer import rundir
-    from transformer.report.render import write_report
+    from transformer.report import write_report
     from transformer.sweep import MANIFEST
 
     if not directory.is_dir():
@@ -349,7 +347,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     _check_eval_args(args)
 
     from transformer.data import DataError
-    from transformer.io.checkpoint import CheckpointError
+    from transformer.io import CheckpointError
 
     try:
         if args.export_hf is not None:
@@ -410,8 +408,7 @@ def _check_sampling(args: argparse.Namespace, cfg: Config, n_prompts: int) -> No
 
 
 def _export_main(args: argparse.Namespace) -> int:
-    from transformer.eval.evaluate import note
-    from transformer.eval.pretrained import export_hf
+    from transformer.eval import export_hf, note
 
     print(export_hf(Path(args.workdir), args.step, Path(args.export_hf), note))
     return 0
@@ -434,8 +431,7 @@ def _fill_mask_main(args: argparse.Namespace) -> int:
 
 
 def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
-    from transformer.eval import evaluate, pretrained
-    from transformer.eval.generate import SamplingConfig
+    from transformer.eval import SamplingConfig, evaluate, pretrained
 
     cfg = (
         evaluate.run_config(Path(args.workdir), []) if args.hf is None else pretrained.pretrained_config(Path(args.hf))
@@ -443,7 +439,7 @@ def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
     _check_sampling(args, cfg, len(prompts))
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     if args.hf is None:
-        texts = evaluate.sample(Path(args.workdir), prompts, sampling, args.step)
+        texts = evaluate.sample_run(Path(args.workdir), prompts, sampling, args.step)
     else:
         texts = pretrained.sample_pretrained(Path(args.hf), prompts, sampling)
     if args.json:
@@ -461,7 +457,7 @@ def _evaluate_main(args: argparse.Namespace) -> int:
     from transformer.eval import evaluate, pretrained
 
     if args.hf is None:
-        result = evaluate.evaluate(Path(args.workdir), args.step, args.overrides, args.split, args.batches)
+        result = evaluate.evaluate_run(Path(args.workdir), args.step, args.overrides, args.split, args.batches)
     else:
         result = pretrained.evaluate_pretrained(Path(args.hf), args.overrides, args.split, args.batches)
     if args.json:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from transformer.config import Config, ConfigError, ModelConfig
 from transformer.errors import first_line
-from transformer.model.summary import count_params, cross_cache_bytes_per_source_token, kv_cache_bytes_per_token
+from transformer.model import count_params, cross_cache_bytes_per_source_token, kv_cache_bytes_per_token
 from transformer.sharding import mesh_shape
 
 # Optimiser moments kept per parameter (Adafactor's are factored: next to nothing). SGD's momentum

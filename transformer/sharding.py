@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from transformer.config import Config, ConfigError, check_expert_split, check_tensor_split
-from transformer.model.layers import Placer
+from transformer.model import Placer
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 

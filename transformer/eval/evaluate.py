@@ -11,13 +11,10 @@ from transformer import limits, rundir, sharding
 from transformer.accelerator import resolve
 from transformer.config import SAFE_ON_RESUME, Config, ConfigError, config_changes
 from transformer.config_loader import apply_overrides, from_dict
-from transformer.data import Data, prepare
-from transformer.data.objectives import Vocab, make_objective, row_tokens
-from transformer.data.tokenizer import TokenizerError
+from transformer.data import Data, TokenizerError, Vocab, make_objective, prepare, row_tokens
 from transformer.eval.generate import SamplingConfig, fill_mask, generate, generate_seq2seq
-from transformer.io.checkpoint import Checkpointer
-from transformer.train.trainer import Trainer
-from transformer.train.validation import validation_metrics
+from transformer.io import Checkpointer
+from transformer.train import Trainer, validation_metrics
 
 
 def run_config(workdir: Path, overrides: list[str]) -> Config:
@@ -40,7 +37,7 @@ def check_parameter_shapes(saved: Config, cfg: Config) -> None:
     model key passes when the parameters keep their shapes (model.attention_impl, model.dtype)."""
     from flax import nnx
 
-    from transformer.model.summary import abstract_model
+    from transformer.model import abstract_model
 
     unsafe, _ = config_changes(saved, cfg)
     keys = [line.partition(":")[0] for line in unsafe if line.startswith("model.")]
@@ -107,7 +104,7 @@ def split_windows(data: Data, split: str, limit: int | None = None) -> Data:
     return data if limit is None else dataclasses.replace(data, val_window_ids=data.val_window_ids[:limit])
 
 
-def evaluate(
+def evaluate_run(
     workdir: Path,
     step: int | None = None,
     overrides: list[str] | tuple[str, ...] = (),
@@ -197,12 +194,12 @@ def _run_vocab(workdir: Path, step: int | None) -> tuple[Config, Vocab]:
     return cfg, make_objective(cfg.data, tokenizer).vocab
 
 
-def sample(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: int | None = None) -> list[str]:
-    from transformer.io.checkpoint import load
+def sample_run(workdir: Path, prompts: list[str], sampling: SamplingConfig, step: int | None = None) -> list[str]:
+    from transformer.io import checkpoint
 
     cfg, vocab = _run_vocab(workdir, step)
     encoded = checked_prompts(cfg, vocab, prompts, sampling)
-    _, model = load(workdir, step, note)
+    _, model = checkpoint.load(workdir, step, note)
     return complete(cfg, model, vocab, encoded, sampling)
 
 
@@ -252,7 +249,7 @@ def complete(cfg: Config, model, vocab: Vocab, encoded: list[list[int]], samplin
 def fill_masks(workdir: Path, texts: list[str], top_k: int, step: int | None = None) -> list[dict]:
     """`eval.py --fill-mask TEXT`: an encoder's `top_k` predictions at each <mask> of each text,
     and the text with every mask replaced by its best prediction."""
-    from transformer.io.checkpoint import load
+    from transformer.io import checkpoint
 
     cfg, vocab = _run_vocab(workdir, step)
     _check(cfg.model.arch == "encoder", f"fills masks with an encoder (model.arch={cfg.model.arch})", "--fill-mask")
@@ -264,7 +261,7 @@ def fill_masks(workdir: Path, texts: list[str], top_k: int, step: int | None = N
             f"{text[:30]!r}... is {len(ids)} tokens, longer than the context of {cfg.model.max_seq_len}",
             "--fill-mask",
         )
-    _, model = load(workdir, step, note)
+    _, model = checkpoint.load(workdir, step, note)
     assert vocab.mask_id is not None  # an encoder's objective (mlm) has one
     best = fill_mask(model, encoded, vocab.mask_id, vocab.tokenizer.pad_id, top_k)
     out = []

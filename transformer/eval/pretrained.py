@@ -8,16 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from transformer.config import Config
-from transformer.io.hf import (
-    CONFIG_JSON,
-    WEIGHTS,
-    HFError,
-    abstract_params,
-    export_family,
-    load_params,
-    save,
-    with_pretrained,
-)
+from transformer.io import hf
 
 
 def pretrained_config(path: Path, overrides: Sequence[str] = ()) -> Config:
@@ -26,20 +17,20 @@ def pretrained_config(path: Path, overrides: Sequence[str] = ()) -> Config:
     from transformer.config_loader import load_config
 
     given = [f"model.init_from={path}", *overrides]
-    return with_pretrained(load_config(None, given), None, given)
+    return hf.with_pretrained(load_config(None, given), None, given)
 
 
 def _params_on_mesh(cfg: Config, path: Path, trainer) -> dict:
-    return load_params(path, cfg.model, trainer.abstract_state().params)
+    return hf.load_params(path, cfg.model, trainer.abstract_state().params)
 
 
 def evaluate_pretrained(
     path: Path, overrides: Sequence[str] = (), split: str = "val", batches: int | None = None
 ) -> dict:
-    """`eval.py --hf PATH`: as `evaluate.evaluate` of a run, at step 0, on the config's data."""
+    """`eval.py --hf PATH`: as `evaluate_run` of a run, at step 0, on the config's data."""
     from transformer import sharding
     from transformer.eval.evaluate import evaluate_params
-    from transformer.train.trainer import Trainer
+    from transformer.train import Trainer
 
     cfg = pretrained_config(path, overrides)
     trainer = Trainer(cfg, sharding.make_mesh(cfg))
@@ -51,15 +42,14 @@ def sample_pretrained(path: Path, prompts: list[str], sampling) -> list[str]:
     from flax import nnx
 
     from transformer.accelerator import resolve
-    from transformer.data import cache_directory, make_tokenizer
-    from transformer.data.objectives import Vocab
+    from transformer.data import Vocab, cache_directory, make_tokenizer
     from transformer.eval.evaluate import checked_prompts, complete
     from transformer.model import Transformer
 
     cfg = resolve(pretrained_config(path))  # the dtype and attention this machine runs
     vocab = Vocab(make_tokenizer(cfg.data, None, cache_directory(cfg.data)))
     encoded = checked_prompts(cfg, vocab, prompts, sampling)
-    params = load_params(path, cfg.model, abstract_params(cfg.model))
+    params = hf.load_params(path, cfg.model, hf.abstract_params(cfg.model))
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
     return complete(cfg, nnx.merge(graphdef, params), vocab, encoded, sampling)
 
@@ -71,17 +61,17 @@ def export_hf(workdir: Path, step: int | None, out: Path, note: Callable[[str], 
 
     from transformer.data import cache_directory, make_tokenizer
     from transformer.eval.evaluate import run_config
-    from transformer.io.checkpoint import load
+    from transformer.io import checkpoint
 
     cfg = run_config(workdir, [])
-    family = export_family(cfg.model)  # refuse before reading anything
+    family = hf.export_family(cfg.model)  # refuse before reading anything
     if out.exists() and any(out.iterdir()):
-        raise HFError("--export-hf", f"{out} exists and is not empty: give a new directory")
+        raise hf.HFError("--export-hf", f"{out} exists and is not empty: give a new directory")
     tokenizer = make_tokenizer(cfg.data, workdir, cache_directory(cfg.data))
-    _, model = load(workdir, step, note)
+    _, model = checkpoint.load(workdir, step, note)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
-    save(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, ids)
-    written = [CONFIG_JSON, WEIGHTS]
+    hf.save(cfg.model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), out, ids)
+    written = [hf.CONFIG_JSON, hf.WEIGHTS]
     for name, text in tokenizer.files().items():
         (out / name).write_text(text)
         written.append(name)

@@ -4,15 +4,43 @@
   what the configured scheme contributes: added to the embeddings, a rotation of q and k, a logit
   bias, or nothing;
 - `layers.py`: parameters with logical axes, the initialisation scales (`InitScales`), norms, FFNs;
+- `flash.py`: blocked attention (`attention_impl=blocked`), causal or bidirectional, static
+  window, a custom VJP that recomputes the probabilities;
 - `attention.py`: self-attention, causal or bidirectional (MHA/GQA/MQA, windows, documents) and
   the KV cache;
+- `mla.py`: multi-head latent attention (an `Attention` that caches one latent and one RoPE key);
 - `cross_attention.py`: an encoder-decoder's cross-attention to the encoder output;
 - `moe.py`: the mixture-of-experts FFN (router, capacity or dropless dispatch, routing losses);
 - `transformer.py`: the block (norm placement), the layer stacks (scan, remat), the `Transformer`
   of each family (decoder, encoder, encoder-decoder);
 - `summary.py`: parameter counts, FLOPs and KV-cache bytes per token, the `--dry-run` summary.
+
+The model places nothing on devices: it names logical axes, which `transformer/sharding.py` maps.
 """
 
-from transformer.model.transformer import Block, Transformer
+from transformer.model.layers import Placer, placing
+from transformer.model.moe import STEP_METRICS
+from transformer.model.summary import (
+    abstract_model,
+    count_params,
+    cross_cache_bytes_per_source_token,
+    flops_per_token,
+    kv_cache_bytes_per_token,
+    summary_text,
+)
+from transformer.model.transformer import Block, Transformer, layer_slots
 
-__all__ = ["Block", "Transformer"]
+__all__ = [
+    "STEP_METRICS",
+    "Block",
+    "Placer",
+    "Transformer",
+    "abstract_model",
+    "count_params",
+    "cross_cache_bytes_per_source_token",
+    "flops_per_token",
+    "kv_cache_bytes_per_token",
+    "layer_slots",
+    "placing",
+    "summary_text",
+]

@@ -102,7 +102,7 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        from transformer.data.objectives import row_lengths, row_tokens
+        from transformer.data import row_lengths, row_tokens
 
         return self.config.train.batch_size * row_tokens(row_lengths(self.config.data))
 
@@ -193,7 +193,7 @@ def _max(values: np.ndarray) -> float:
 
 def summarize(run: Run, budget: int | None) -> Summary:
     """The run's numbers (see the module's definitions), its loss taken at `budget` tokens."""
-    from transformer.model.summary import count_params
+    from transformer.model import count_params
 
     steps, loss = run.curve("loss")
     _, val = run.curve("val_loss")

@@ -27,7 +27,7 @@ from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from transformer.rundir import FINAL, atomic_write, read_events
 from transformer.sweep.claims import STALE_AFTER, Claim, claim_path, is_stale, read_claim
 from transformer.sweep.expansion import LOGS_DIR, MANIFEST, MEMBERS_DIR, Member, Sweep, SweepError
-from transformer.train.signals import PARENT_PID_ENV
+from transformer.train import PARENT_PID_ENV
 
 TRAIN_SCRIPT = ROOT / "train.py"
 POLL_SECONDS = 0.2

@@ -15,7 +15,7 @@ from transformer import limits, rundir, sharding
 from transformer.accelerator import settle_dtype
 from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data, prepare
-from transformer.io.checkpoint import Checkpointer, check_writable, partial_writes
+from transformer.io import Checkpointer, check_writable, partial_writes
 from transformer.rundir import RunWriter
 from transformer.train.loop import RunResult, train
 from transformer.train.signals import StopSignal

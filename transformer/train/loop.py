@@ -20,8 +20,8 @@ from transformer.accelerator import choose_attention, choose_dtype
 from transformer.config import Config
 from transformer.data import Data
 from transformer.errors import EXIT_FAILED, first_line
-from transformer.io.checkpoint import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
-from transformer.model.summary import count_params
+from transformer.io import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
+from transformer.model import count_params
 from transformer.rundir import RunWriter
 from transformer.train import preflight
 from transformer.train.feed import Feed

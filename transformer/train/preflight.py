@@ -23,9 +23,9 @@ import numpy as np
 from transformer import limits, sharding
 from transformer.accelerator import resolve
 from transformer.config import Config, ConfigError
-from transformer.data.objectives import row_lengths, row_tokens
+from transformer.data import row_lengths, row_tokens
 from transformer.errors import EXIT_USAGE, first_line
-from transformer.model.summary import count_params, flops_per_token
+from transformer.model import count_params, flops_per_token
 from transformer.train.trainer import Trainer, TrainState, default_controls
 
 MEMORY_KNOBS = (
@@ -131,13 +131,13 @@ def topology_target(name: str) -> Target:
 def vocab_size(cfg: Config) -> int:
     """The run's vocabulary without preparing its data: the byte tokenizer's, a BPE's target size,
     a pretrained tokenizer's own; plus the ids the objective adds (a mask token, sentinels)."""
-    from transformer.data.objectives import extra_ids
+    from transformer.data import extra_ids
 
     return _tokenizer_vocab(cfg) + extra_ids(cfg.data)
 
 
 def _tokenizer_vocab(cfg: Config) -> int:
-    from transformer.data.tokenizer import ByteTokenizer, TokenizerError, load_pretrained
+    from transformer.data import ByteTokenizer, TokenizerError, load_pretrained
 
     if cfg.data.tokenizer == "byte":
         return ByteTokenizer.vocab_size

@@ -22,10 +22,7 @@ from flax import nnx
 
 from transformer import accelerator, sharding
 from transformer.config import Config
-from transformer.model import Transformer
-from transformer.model.layers import placing
-from transformer.model.moe import STEP_METRICS
-from transformer.model.transformer import layer_slots
+from transformer.model import STEP_METRICS, Transformer, layer_slots, placing
 from transformer.train import loss
 from transformer.train.optim import make_optimizer, schedule
 
