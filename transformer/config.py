@@ -44,6 +44,8 @@ Remat = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
 ComputeDType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: accelerator.choose_dtype decides
 Router = Literal["softmax", "sigmoid"]
+Parametrization = Literal["standard", "mup"]  # mup: model/parametrization.py
+ADAM_FAMILY = ("adamw", "adam", "lion")  # the optimisers µP's Adam rules hold for (per-coordinate normalised steps)
 # The three Transformer families: decoder-only (causal LM), encoder-only (bidirectional, masked LM),
 # encoder-decoder (bidirectional encoder; causal decoder with cross-attention to it).
 Arch = Literal["decoder", "encoder", "encoder_decoder"]
@@ -181,10 +183,19 @@ class ModelConfig:
     capacity_factor: float | None = 1.25  # expert slots per row = factor * T * top_k / n_experts; null: dropless
     moe_aux_loss: float = 0.01  # weight of the Switch load-balancing loss (0: off)
     moe_z_loss: float = 0.001  # weight of the router z-loss (ST-MoE; 0: off)
+    # --- hyperparameters that transfer across width (model/parametrization.py) ---
+    parametrization: Parametrization = "standard"
+    # mup only: the base shape whose hyperparameters this model's mean the same as (null: derived
+    # as this model derives its own from mup_base_d_model; mup_base_d_model null: d_model itself)
+    mup_base_d_model: DerivedInt = None  # type: ignore[assignment]
+    mup_base_n_heads: DerivedInt = None  # type: ignore[assignment]
+    mup_base_head_dim: DerivedInt = None  # type: ignore[assignment]
+    mup_base_d_ff: DerivedInt = None  # type: ignore[assignment]
 
     def __post_init__(self):
         _check_ints(self)
         # in this order, so that of several mistakes the most basic is reported
+        self._resolve_mup_base()  # before _resolve_sizes, which fills in the head_dim and d_ff it reads
         self._resolve_sizes()
         self._check_positions()
         self._check_windows()
@@ -198,6 +209,47 @@ class ModelConfig:
             "max_seq_len",
             "learned positions need a maximum length (model.max_seq_len or data.seq_len)",
         )
+
+    def _ffn_width(self, d_model: int) -> int:
+        """d_ff's default: 4*D for MLPs, 8*D/3 for gated FFNs, rounded up to ffn_multiple."""
+        width = 8 * d_model / 3 if self.ffn in GATED_FFNS else 4 * d_model
+        return _round_up(math.ceil(width), self.ffn_multiple)
+
+    def _resolve_mup_base(self) -> None:
+        """µP's base shape, filled in as the base model would derive its own sizes: a head_dim or
+        d_ff written in the config is the base's too (it does not scale), a derived one is derived
+        from mup_base_d_model. Resolved once, so the saved config holds the numbers."""
+        base = ("mup_base_d_model", "mup_base_n_heads", "mup_base_head_dim", "mup_base_d_ff")
+        if self.parametrization != "mup":
+            for name in base:
+                _check(getattr(self, name) is None, name, "sets µP's base shape: only with model.parametrization=mup")
+            return
+        _check(
+            not self.n_experts,
+            "n_experts",
+            "µP has no rule here for experts and the router yet: use parametrization standard",
+        )
+        _check(self.attention == "mha", "attention", "µP has no rule here for MLA's latent projections yet: use mha")
+        if self.mup_base_d_model is None:
+            object.__setattr__(self, "mup_base_d_model", self.d_model)
+        if self.mup_base_n_heads is None:
+            object.__setattr__(self, "mup_base_n_heads", self.n_heads)
+        for name in ("mup_base_d_model", "mup_base_n_heads"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        if self.mup_base_head_dim is None:
+            d, n = self.mup_base_d_model, self.mup_base_n_heads
+            _check(
+                self.head_dim is not None or d % n == 0,
+                "mup_base_head_dim",
+                f"the base d_model ({d}) is not divisible by its {n} heads: set it",
+            )
+            object.__setattr__(self, "mup_base_head_dim", self.head_dim if self.head_dim is not None else d // n)
+        if self.mup_base_d_ff is None:
+            object.__setattr__(
+                self, "mup_base_d_ff", self.d_ff if self.d_ff is not None else self._ffn_width(self.mup_base_d_model)
+            )
+        for name in ("mup_base_head_dim", "mup_base_d_ff"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
 
     def _resolve_sizes(self) -> None:
         """Check the sizes and fill in the derived ones (kv heads, head dim, FFN width)."""
@@ -229,8 +281,7 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         _check(self.head_dim >= 1, "head_dim", f"must be >= 1, got {self.head_dim}")
         if self.d_ff is None:
-            width = 8 * self.d_model / 3 if self.ffn in GATED_FFNS else 4 * self.d_model
-            object.__setattr__(self, "d_ff", _round_up(math.ceil(width), self.ffn_multiple))
+            object.__setattr__(self, "d_ff", self._ffn_width(self.d_model))
         _check(self.d_ff >= 1, "d_ff", f"must be >= 1, got {self.d_ff}")
         if self.max_seq_len is not None:
             _check(self.max_seq_len >= 1, "max_seq_len", f"must be >= 1, got {self.max_seq_len}")
@@ -490,7 +541,26 @@ class ModelConfig:
 
     @property
     def scale(self) -> float:
-        return self.attn_scale if self.attn_scale is not None else self.qk_head_dim**-0.5
+        """The attention logits' scale: 1/sqrt(qk_head_dim), or attn_scale. Under µP 1/d instead of
+        1/sqrt(d) (keys and queries become correlated in training, so their dot product grows as d),
+        written as the base's scale times base/d so that at the base shape it is the same float."""
+        base = self.attn_scale if self.attn_scale is not None else self.qk_head_dim**-0.5
+        if self.parametrization != "mup":
+            return base
+        head_dim = self.mup_base_head_dim
+        return (self.attn_scale if self.attn_scale is not None else head_dim**-0.5) * (head_dim / self.head_dim)
+
+    @property
+    def width_multipliers(self) -> dict[str, float]:
+        """µP's m of each width a fan-in can have: this model's over the base's (all 1 at the base
+        shape and under the standard parametrization), keyed as model/parametrization.py's table."""
+        if self.parametrization != "mup":
+            return {"d_model": 1.0, "attention": 1.0, "d_ff": 1.0}
+        return {
+            "d_model": self.d_model / self.mup_base_d_model,
+            "attention": (self.n_heads * self.head_dim) / (self.mup_base_n_heads * self.mup_base_head_dim),
+            "d_ff": self.d_ff / self.mup_base_d_ff,
+        }
 
 
 SourceKind = Literal["builtin", "hf", "files"]
@@ -918,6 +988,11 @@ class Config:
             context <= m.max_seq_len,
             "data.seq_len",
             f"rows of {context} tokens ({self.data.objective}) exceed model.max_seq_len ({m.max_seq_len})",
+        )
+        _check(
+            m.parametrization != "mup" or self.optim.name in ADAM_FAMILY,
+            "optim.name",
+            f"µP's rules here are Adam's, for {', '.join(ADAM_FAMILY)}; {self.optim.name} needs others (model.parametrization)",
         )
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)

@@ -3,6 +3,8 @@
 - `positions.py`: the position encodings and the one dispatcher (`positions_for`) that decides
   what the configured scheme contributes: added to the embeddings, a rotation of q and k, a logit
   bias, or nothing;
+- `parametrization.py`: the standard parametrization and µP in one table (init, learning-rate
+  and forward multipliers of each kind of parameter, by its width over the base shape's);
 - `layers.py`: parameters with logical axes, the initialisation scales (`InitScales`), norms, FFNs;
 - `flash.py`: blocked attention (`attention_impl=blocked`), causal or bidirectional, static
   window, a custom VJP that recomputes the probabilities;
@@ -20,6 +22,7 @@ The model places nothing on devices: it names logical axes, which `transformer/s
 
 from transformer.model.layers import Placer, placing
 from transformer.model.moe import STEP_METRICS
+from transformer.model.parametrization import lr_multipliers
 from transformer.model.summary import (
     abstract_model,
     count_params,
@@ -41,6 +44,7 @@ __all__ = [
     "flops_per_token",
     "kv_cache_bytes_per_token",
     "layer_slots",
+    "lr_multipliers",
     "placing",
     "summary_text",
 ]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import ModelConfig
+from transformer.model.parametrization import init_factor
 
 Axes = tuple[str | None, ...]  # a parameter's logical axis names, one per dimension (None: replicated)
 
@@ -76,7 +77,8 @@ class InitScales:
     @classmethod
     def of(cls, cfg: ModelConfig, encoder_stack: bool = False) -> InitScales:
         """The scales of `cfg`: init_std throughout, except where the norm placement changes it,
-        which may depend on the stack (`encoder_stack`: an encoder-decoder's encoder)."""
+        which may depend on the stack (`encoder_stack`: an encoder-decoder's encoder), and times
+        µP's width factor of each kind (model/parametrization.py)."""
         std = cfg.init_std
         if cfg.norm_position == "deepnorm":
             # DeepNet (Wang et al. 2022) shrinks by beta what carries values into the residual
@@ -88,15 +90,16 @@ class InitScales:
             carry, residual = std, std / math.sqrt(2 * depth)
         else:
             carry, residual = std, std
+        width = functools.partial(init_factor, cfg)  # µP's width rule (1.0 at the base shape)
         return cls(
-            embedding=std,
-            positions=std,
-            qkv=std,
-            value=carry,
-            attn_out=residual,
-            ffn_in=carry,
-            ffn_out=residual,
-            head=std,
+            embedding=std * width("embed"),
+            positions=std * width("pos_embed"),
+            qkv=std * width("qkv"),
+            value=carry * width("qkv"),
+            attn_out=residual * width("out"),
+            ffn_in=carry * width("w_in"),
+            ffn_out=residual * width("w_out"),
+            head=std * width("head"),
         )
 
 

@@ -16,6 +16,7 @@ from transformer.model.cross_attention import CrossAttention, Memory
 from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param, place
 from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.moe import STEP_METRICS, MoE
+from transformer.model.parametrization import output_multiplier
 from transformer.model.positions import positions_for
 
 # Statistics by name: scalars as one block sows them, or [L] when stacked over the layers.
@@ -497,6 +498,8 @@ class Transformer(nnx.Module):
             logits_BxTxV = jnp.einsum(
                 "BTD,DV->BTV", x_BxTxD, self.head[...].astype(x_BxTxD.dtype), preferred_element_type=jnp.float32
             )
+        if cfg.parametrization == "mup":  # the readout's 1/m (model/parametrization.py), 1.0 at the base shape
+            logits_BxTxV = logits_BxTxV * output_multiplier(cfg)
         if cfg.logit_softcap is not None:
             logits_BxTxV = cfg.logit_softcap * jnp.tanh(logits_BxTxV / cfg.logit_softcap)
         if cfg.padded_vocab != cfg.vocab_size:

@@ -52,7 +52,22 @@ def decay_mask(params: dict, decay_embeddings: bool) -> dict:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, params: dict) -> optax.GradientTransformation:
+def scale_each(multipliers: dict) -> optax.GradientTransformation:
+    """Each parameter's update times its own constant (µP's per-parameter learning rates, after the
+    optimiser, so Adam's moments, weight decay's mask and clipping are what they were); a
+    multiplier of 1.0 leaves its update untouched, bit for bit."""
+
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u, c: u if c == 1.0 else u * c, updates, multipliers), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(
+    cfg: OptimConfig, total_steps: int, params: dict, lr_multipliers: dict | None = None
+) -> optax.GradientTransformation:
+    """The chain of `cfg`; with `lr_multipliers` (a tree like `params`: µP's), each parameter's
+    learning rate times its multiplier."""
     lr = schedule(cfg, total_steps)
     mask = decay_mask(params, cfg.decay_embeddings)
     match cfg.name:
@@ -69,6 +84,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params: dict) -> optax.Gr
                 optax.add_decayed_weights(cfg.weight_decay, mask),
                 optax.sgd(lr, momentum=cfg.b1 or None),
             )
+    if lr_multipliers is not None:
+        opt = optax.chain(opt, scale_each(lr_multipliers))
     if cfg.clip_norm is not None:
         opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
     return opt
