@@ -46,11 +46,16 @@ def test_model_statistics_on_a_known_case(scan_layers):
     assert {k: np.shape(v) for k, v in stats.items() if k != "log_z_mean"} == {
         "attn_logit_max": (L,),
         "attn_logit_mean": (L,),
+        "attn_logit_rms": (L,),
         "attn_entropy": (L,),
+        "attn_out_rms": (L,),
+        "ffn_out_rms": (L,),
         "residual_rms": (L,),
     }
     np.testing.assert_allclose(stats["attn_entropy"], np.mean([math.log(t + 1) for t in range(8)]), rtol=1e-5)
     np.testing.assert_allclose(stats["attn_logit_max"], 0.0, atol=1e-7)
+    for name in ("attn_logit_rms", "attn_out_rms", "ffn_out_rms"):  # zero logits, nothing written
+        np.testing.assert_allclose(stats[name], 0.0, atol=1e-7)
     embedded = model.embed_tokens(tokens, jnp.broadcast_to(jnp.arange(8), (2, 8)))
     np.testing.assert_allclose(stats["residual_rms"], float(jnp.sqrt(jnp.mean(embedded**2))), rtol=1e-5)
     logits = model(tokens)

@@ -46,6 +46,13 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile", default=None, metavar="START:STOP", help="write a jax.profiler trace of steps START..STOP-1"
     )
+    p.add_argument(
+        "--coord-check",
+        action="store_true",
+        help="train a few steps at several widths and say which activations grow with width (µP's check)",
+    )
+    p.add_argument("--coord-widths", default=None, metavar="W,W,...", help="with --coord-check: the widths (d_model)")
+    p.add_argument("--coord-steps", type=int, default=None, metavar="N", help="with --coord-check: steps at each width")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="sweeps: run N members at once")
     p.add_argument("--print-commands", action="store_true", help="sweeps: print each member's command, run none")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
@@ -96,6 +103,8 @@ def train_main(argv: list[str] | None = None) -> int:
             cfg = with_pretrained(cfg, args.config, args.overrides)
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
+    if args.coord_check and sweep is not None:
+        _fail("train.py", "--coord-check takes one config: give a member's (DIR/members/NAME.yaml of a run sweep)")
     if sweep is not None:
         return _sweep_main(args, sweep)
     assert cfg is not None
@@ -108,6 +117,8 @@ def train_main(argv: list[str] | None = None) -> int:
         _fail("train.py", "--topology goes with --preflight (it compiles for a TPU slice, it cannot run there)")
     if args.preflight:
         return _preflight_main([("", cfg)], args.topology)
+    if args.coord_check:
+        return _coord_check_main(args, cfg)
     if args.dry_run:
         return _dry_run(cfg)
     _distributed(args)
@@ -147,6 +158,44 @@ def _preflight_main(configs: list[tuple[str, Config]], topology: str | None) -> 
             print(f"train.py: error: {prefix}{e}", file=sys.stderr)
             code = EXIT_USAGE
     return code
+
+
+def _coord_widths(args: argparse.Namespace) -> tuple[list[int], int]:
+    from transformer.train.coordcheck import STEPS, WIDTHS
+
+    try:
+        widths = [int(w) for w in args.coord_widths.split(",")] if args.coord_widths else list(WIDTHS)
+    except ValueError:
+        _fail("train.py", f"--coord-widths: {args.coord_widths!r} is not a comma-separated list of widths")
+    if len(widths) < 2 or min(widths) < 1 or len(set(widths)) != len(widths):
+        _fail("train.py", f"--coord-widths: give two or more different positive widths, got {args.coord_widths}")
+    steps = STEPS if args.coord_steps is None else args.coord_steps
+    if steps < 1:
+        _fail("train.py", f"--coord-steps: must be >= 1, got {steps}")
+    return sorted(widths), steps
+
+
+def _coord_check_main(args: argparse.Namespace, cfg: Config) -> int:
+    """`--coord-check`: the figure and one line per quantity, in --workdir (default runs/coord-check-<config>-<time>)."""
+    from transformer.config_loader import load_raw
+    from transformer.data import DataError
+    from transformer.train import coordcheck
+
+    widths, steps = _coord_widths(args)
+    try:
+        for width in widths:  # every width's config is valid before anything is trained
+            coordcheck.width_config(load_raw(args.config, args.overrides), width, cfg.model.parametrization, cfg.model)
+        check = coordcheck.run_coord_check(load_raw(args.config, args.overrides), cfg, widths, steps)
+    except ConfigError as e:
+        _fail("train.py", f"--coord-check: {e}")
+    except DataError as e:
+        _fail("train.py", f"data: {e}")
+    name = Path(args.config).stem if args.config else "default"
+    out = Path(args.workdir) if args.workdir else Path("runs") / f"coord-check-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for line in check.lines():
+        print(line)
+    print("wrote " + ", ".join(str(p) for p in coordcheck.write(check, out)))
+    return 0
 
 
 def _is_file(text: str) -> bool:

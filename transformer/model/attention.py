@@ -63,7 +63,7 @@ def attention_logits(
 
 
 def attention_stats(logits_BxKxGxTxS: jax.Array, mask_BxTxS: jax.Array) -> dict[str, jax.Array]:
-    """Max and mean of the attended logits, and the entropy of each query's attention (mean over
+    """Max, mean and RMS of the attended logits, and the entropy of each query's attention (mean over
     batch, heads and positions): the quantities that blow up in attention-logit growth."""
     allowed = jnp.broadcast_to(mask_BxTxS[:, None, None], logits_BxKxGxTxS.shape)
     masked = jnp.where(allowed, logits_BxKxGxTxS, MASK_VALUE)
@@ -72,6 +72,7 @@ def attention_stats(logits_BxKxGxTxS: jax.Array, mask_BxTxS: jax.Array) -> dict[
     return {
         "attn_logit_max": jnp.max(masked),
         "attn_logit_mean": jnp.sum(jnp.where(allowed, logits_BxKxGxTxS, 0.0)) / jnp.sum(allowed),
+        "attn_logit_rms": jnp.sqrt(jnp.sum(jnp.where(allowed, jnp.square(logits_BxKxGxTxS), 0.0)) / jnp.sum(allowed)),
         "attn_entropy": jnp.mean(entropy),
     }
 

@@ -112,7 +112,8 @@ class Block(nnx.Module):
         memory: Memory | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """(the block's output, its updated KV cache; None without a cache). With `collect`,
-        statistics are sown as nnx.Intermediate (attention logits and entropy, residual RMS).
+        statistics are sown as nnx.Intermediate (attention logits and entropy, the RMS of each
+        sublayer's output and of the residual stream).
         `memory`: the encoder output a decoder block cross-attends to (decoding: the cache's
         `cross_k`/`cross_v` instead)."""
         attn_key, attn_drop_key, ffn_drop_key = (None, None, None) if key is None else jax.random.split(key, 3)
@@ -121,9 +122,11 @@ class Block(nnx.Module):
         x_BxTxD = self.add_sublayer(x_BxTxD, y_BxTxD, self.attn_norm, self.attn_out_norm, attn_drop_key)
         if self.cross_attn is not None:
             x_BxTxD = self.cross_residual(x_BxTxD, segment_ids_BxT, memory, cache, key, collect)
-        x_BxTxD = self.residual(x_BxTxD, self.ffn, self.ffn_norm, self.ffn_out_norm, ffn_drop_key)
-        if collect:
-            self.sow(nnx.Intermediate, "residual_rms", jnp.sqrt(jnp.mean(jnp.square(x_BxTxD.astype(jnp.float32)))))
+        f_BxTxD = self.ffn(self.sublayer_input(x_BxTxD, self.ffn_norm))
+        x_BxTxD = self.add_sublayer(x_BxTxD, f_BxTxD, self.ffn_norm, self.ffn_out_norm, ffn_drop_key)
+        if collect:  # what each sublayer writes into the residual stream, and the stream after the block
+            for name, value in (("attn_out_rms", y_BxTxD), ("ffn_out_rms", f_BxTxD), ("residual_rms", x_BxTxD)):
+                self.sow(nnx.Intermediate, name, jnp.sqrt(jnp.mean(jnp.square(value.astype(jnp.float32)))))
         return x_BxTxD, new_cache
 
     def cross_residual(

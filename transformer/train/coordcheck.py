@@ -1,0 +1,171 @@
+"""The coordinate check (`train.py CONFIG --coord-check`): does each activation keep its size as
+the model widens? The config's model is trained a few steps at a series of widths (`model.d_model`;
+heads, head dim and FFN width follow as the config derives them), under the parametrization it asks
+for and under the standard one beside it, and the RMS of six quantities is recorded before the first
+step and after each: the embedding output, the attention logits, the attention and FFN outputs and
+the residual stream (each the mean over layers of the per-layer RMS), and the output logits.
+
+Under µP (model/parametrization.py) every quantity stays flat in width, with one expected
+exception: at initialisation µP's 1/d attention scale makes attention logits shrink as width grows
+(they reach their size once queries and keys align in training). Under the standard
+parametrization the output logits and the hidden activations grow once training moves them. The
+verdict of each quantity is the slope of log RMS against log width after the last step (1 means
+proportional to width). All widths of a µP check share the config's base shape; every check trains
+at the config's learning rate, constant and without warm-up (a warm-up would hide the first steps'
+updates), on the run's own first batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from transformer import sharding
+from transformer.config import Config, ModelConfig
+from transformer.config_loader import from_dict
+from transformer.data import Data, prepare
+from transformer.train.trainer import Trainer, default_controls, encoder_inputs, model_inputs
+
+WIDTHS = (64, 128, 256, 512, 1024)
+STEPS = 3
+# quantity -> (its label, the per-layer statistic it averages; None: computed at the model's ends)
+QUANTITIES: dict[str, tuple[str, str | None]] = {
+    "embedding": ("embedding output", None),
+    "attn_logits": ("attention logits", "attn_logit_rms"),
+    "attn_out": ("attention output", "attn_out_rms"),
+    "ffn_out": ("FFN output", "ffn_out_rms"),
+    "residual": ("residual stream", "residual_rms"),
+    "logits": ("output logits", None),
+}
+FLAT = 0.25  # |slope| below which a quantity is called flat (1: proportional to width, 0.5: its square root)
+MUP_BASE = ("mup_base_d_model", "mup_base_n_heads", "mup_base_head_dim", "mup_base_d_ff")
+RESULT_FILE, FIGURE_FILE = "coord_check.json", "coord_check.png"
+
+
+def width_config(raw: dict[str, Any], width: int, parametrization: str, base: ModelConfig) -> Config:
+    """The raw config at `width` under `parametrization`: µP against `base`'s shape (the same for
+    every width), the learning rate constant from the first step."""
+    model = {k: v for k, v in (raw.get("model") or {}).items() if k not in MUP_BASE}
+    model.update(d_model=width, parametrization=parametrization)
+    if parametrization == "mup":
+        model.update({k: getattr(base, k) for k in MUP_BASE})
+    optim = {**(raw.get("optim") or {}), "warmup_steps": 0, "schedule": "constant"}
+    return from_dict({**raw, "model": model, "optim": optim})
+
+
+def _ends(trainer: Trainer) -> Callable[[dict, dict], dict[str, jax.Array]]:
+    """The jitted RMS of the embedding output and of the output logits (the real vocabulary's)."""
+    V = trainer.cfg.model.vocab_size
+
+    def ends(params: dict, batch: dict) -> dict[str, jax.Array]:
+        model = nnx.merge(trainer.graphdef, params)
+        tokens, positions, segments = model_inputs(batch)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        embedded = model.embed_tokens(tokens, positions).astype(jnp.float32)
+        x_BxTxD, _ = model.forward(tokens, positions, segments, **encoder_inputs(batch))
+        logits = model.logits(x_BxTxD)[..., :V]
+        return {"embedding": jnp.sqrt(jnp.mean(jnp.square(embedded))), "logits": jnp.sqrt(jnp.mean(jnp.square(logits)))}
+
+    return jax.jit(ends)
+
+
+def _batch(trainer: Trainer, data: Data, step: int) -> dict:
+    B = trainer.cfg.train.batch_size
+    return trainer.put_batch(data.train_batch(step, jax.process_index(), jax.process_count()), B)
+
+
+def measure(cfg: Config, data: Data, steps: int) -> dict[str, list[float]]:
+    """Each quantity's RMS on the first batch, before the first step and after each of `steps`."""
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
+    state, probe, ends = trainer.init(jax.random.key(cfg.train.seed)), _batch(trainer, data, 0), _ends(trainer)
+    out: dict[str, list[float]] = {name: [] for name in QUANTITIES}
+    for t in range(steps + 1):
+        if t:
+            state, _ = trainer.train_step(state, _batch(trainer, data, t - 1), default_controls())
+        stats = jax.device_get(trainer.stats_step(state.params, probe))
+        at_ends = jax.device_get(ends(state.params, probe))
+        for name, (_, key) in QUANTITIES.items():
+            out[name].append(float(at_ends[name] if key is None else np.mean(stats[key])))
+    return out
+
+
+def slope(widths: list[int], values: list[float]) -> float:
+    """The least-squares slope of log value against log width."""
+    return float(np.polyfit(np.log(widths), np.log(np.maximum(values, 1e-30)), 1)[0])
+
+
+def verdict(name: str, parametrization: str, s: float, step: int) -> str:
+    trend = "flat" if abs(s) < FLAT else ("grows" if s > 0 else "shrinks")
+    return (
+        f"{parametrization}: {QUANTITIES[name][0]}: {trend} (slope {s:+.2f} of log RMS against log width, step {step})"
+    )
+
+
+@dataclasses.dataclass
+class CoordCheck:
+    """What a check measured: per parametrization, per quantity, RMS [step][width]."""
+
+    widths: list[int]
+    steps: int
+    rms: dict[str, dict[str, list[list[float]]]]
+
+    def slopes(self) -> dict[str, dict[str, float]]:
+        return {p: {q: slope(self.widths, by_step[-1]) for q, by_step in qs.items()} for p, qs in self.rms.items()}
+
+    def lines(self) -> list[str]:
+        return [verdict(q, p, s, self.steps) for p, qs in self.slopes().items() for q, s in qs.items()]
+
+    def to_json(self) -> str:
+        return json.dumps({"widths": self.widths, "steps": self.steps, "rms": self.rms, "slopes": self.slopes()})
+
+
+def run_coord_check(raw: dict[str, Any], cfg: Config, widths: list[int], steps: int, log=print) -> CoordCheck:
+    """The check of `cfg` (resolved from `raw`): its parametrization and, beside it, the standard one."""
+    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
+    kinds = [cfg.model.parametrization] + (["standard"] if cfg.model.parametrization != "standard" else [])
+    rms: dict[str, dict[str, list[list[float]]]] = {}
+    for kind in kinds:
+        by_width = []
+        for width in widths:
+            member = width_config(raw, width, kind, cfg.model).with_vocab(data.vocab_size)
+            by_width.append(measure(member, data, steps))
+            log(f"coord-check: {kind} d_model={width} done")
+        rms[kind] = {q: [[w[q][t] for w in by_width] for t in range(steps + 1)] for q in QUANTITIES}
+    return CoordCheck(list(widths), steps, rms)
+
+
+def figure(check: CoordCheck):
+    """RMS against width, a line per step, a panel per quantity, a row per parametrization."""
+    from matplotlib.figure import Figure
+
+    rows = list(check.rms)
+    fig = Figure(figsize=(3.2 * len(QUANTITIES), 2.8 * len(rows)), layout="constrained")
+    axes = fig.subplots(len(rows), len(QUANTITIES), squeeze=False)
+    for r, kind in enumerate(rows):
+        for c, (name, (label, _)) in enumerate(QUANTITIES.items()):
+            ax = axes[r][c]
+            for t, values in enumerate(check.rms[kind][name]):
+                ax.plot(check.widths, values, marker="o", label=f"step {t}", color=f"C{t}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{kind}: {label}", fontsize=9)
+            ax.set_xlabel("d_model")
+    axes[0][0].set_ylabel("RMS")
+    axes[0][-1].legend(fontsize=7)
+    return fig
+
+
+def write(check: CoordCheck, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULT_FILE).write_text(check.to_json())
+    figure(check).savefig(out / FIGURE_FILE, dpi=100)
+    return [out / RESULT_FILE, out / FIGURE_FILE]
