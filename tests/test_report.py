@@ -20,13 +20,15 @@ PNG = b"\x89PNG\r\n\x1a\n"
 # --- hand-made runs --------------------------------------------------------------------------------
 
 
-def fake_run(directory, name, *, norm="pre", lr=1e-3, seed=0, losses, val=(), events=(), stats=None, batch=4):
+def fake_run(
+    directory, name, *, norm="pre", lr=1e-3, seed=0, losses, val=(), events=(), stats=None, batch=4, d_model=32
+):
     """A run directory as the trainer writes it: config.yaml, metrics.jsonl, events.jsonl."""
     run = directory / name
     run.mkdir(parents=True)
     cfg = from_dict(
         {
-            "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "norm_position": norm},
+            "model": {"d_model": d_model, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "norm_position": norm},
             "optim": {"lr": lr},
             "train": {"seed": seed, "batch_size": batch, "steps": len(losses)},
             "data": {"seq_len": 8},
@@ -284,3 +286,64 @@ def test_verdict_pairs_across_keys_zipped_with_the_compared_label(tmp_path):
     (tmp_path / "sweep.json").write_text(json.dumps(manifest))
     verdict = build(tmp_path).verdict()
     assert verdict.startswith("mha was more stable than mqa") and "in all 4 paired settings" in verdict, verdict
+
+
+# --- learning-rate transfer --------------------------------------------------------------------------
+
+
+def test_the_best_learning_rate_is_the_parabolas_vertex_and_an_edge_is_said():
+    from transformer.report.stats import best_lr
+
+    vertex = 4e-3
+    points = {lr: 2.0 + (math.log(lr) - math.log(vertex)) ** 2 for lr in (1e-3, 3e-3, 1e-2, 3e-2)}
+    assert best_lr(points) == (pytest.approx(vertex), False)
+    assert best_lr({1e-3: 1.0, 3e-3: 2.0, 1e-2: 3.0}) == (1e-3, True)
+
+
+def _transfer_sweep(tmp_path, optimum: dict[int, float]):
+    """A sweep of d_model x lr x 2 seeds whose final losses are a parabola in log lr around each
+    width's `optimum` (seed 1 a constant 0.1 above seed 0)."""
+    members = []
+    for d_model, best in optimum.items():
+        for lr in (1e-3, 3e-3, 1e-2, 3e-2):
+            for seed in (0, 1):
+                final = 2.0 + 0.1 * (math.log(lr) - math.log(best)) ** 2 + 0.1 * seed
+                name = f"d{d_model}-lr{lr}-s{seed}"
+                fake_run(tmp_path, name, lr=lr, seed=seed, d_model=d_model, losses=[5.0, 4.0, final])
+                values = {"model.d_model": d_model, "optim.lr": lr}
+                members.append(
+                    {"name": name, "variant": name.rsplit("-s", 1)[0], "seed": seed, "values": values, "labels": {}}
+                )
+    manifest = {
+        "source": "x.yaml",
+        "keys": ["model.d_model", "optim.lr"],
+        "compare": "model.d_model",
+        "members": members,
+    }
+    (tmp_path / "sweep.json").write_text(json.dumps(manifest))
+    return build(tmp_path)
+
+
+def test_lr_transfer_names_each_widths_best_lr_and_whether_it_moved(tmp_path):
+    from transformer.report.stats import transfer, transfer_lines
+
+    report = _transfer_sweep(tmp_path, {32: 8e-3, 64: 2.5e-3})
+    best = transfer(report, "model.d_model")[()]
+    assert best[32] == (pytest.approx(8e-3), False) and best[64] == (pytest.approx(2.5e-3), False)
+    (line,) = transfer_lines(report)
+    shift = math.log(2.5e-3 / 8e-3) / math.log(3.0)  # the grid's median step is x3
+    assert line == f"d_model: best lr 0.008 at 32, 0.0025 at 64; the optimum moved by {shift:+.1f} grid steps."
+    assert transfer(report, "model.n_layers") == {}  # not varied
+
+
+def test_lr_transfer_that_holds_is_said_to_stay_and_is_drawn_in_the_report(tmp_path):
+    report = _transfer_sweep(tmp_path, {32: 4e-3, 64: 4.5e-3})
+    from transformer.report.stats import transfer_lines
+
+    assert transfer_lines(report) == [
+        "d_model: best lr 0.004 at 32, 0.0045 at 64; the optimum stayed within one grid step (+0.1)."
+    ]
+    write_report(tmp_path, log=lambda _: None)
+    md = (tmp_path / "report.md").read_text()
+    assert "## Learning-rate transfer" in md and "stayed within one grid step" in md
+    assert (tmp_path / "plots" / "lr_transfer.png").read_bytes().startswith(PNG)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from transformer.report.stats import LR_KEY, Report, format_value, short_key
+from transformer.report.stats import LR_KEY, SIZE_KEYS, Report, format_value, short_key, transfer, transfer_points
 
 FACET_ABOVE = 8  # more variants than this: one panel per level of the compared key
 
@@ -159,6 +159,36 @@ def loss_vs_lr(report: Report) -> Figure | None:
     return fig
 
 
+def lr_transfer(report: Report) -> Figure | None:
+    """Final loss against the learning rate, a curve per model size (µP's Figure 1), a panel per
+    size key and setting of the other keys; a dotted line marks each size's best learning rate."""
+    panels = [(size, setting) for size in SIZE_KEYS for setting in transfer(report, size)]
+    if not panels:
+        return None
+    fig, axes = _grid(len(panels))
+    for ax, (size, setting) in zip(axes, panels):
+        others = [k for k in report.keys if k not in (LR_KEY, size)]
+        curves_by_size = transfer_points(report, size)[setting]
+        for color, (value, (best, _)) in zip(_colors(len(curves_by_size)), transfer(report, size)[setting].items()):
+            lrs = sorted(curves_by_size[value])
+            ax.plot(
+                lrs,
+                [curves_by_size[value][lr] for lr in lrs],
+                marker="o",
+                ms=3,
+                color=color,
+                label=f"{short_key(size)}={value}",
+            )
+            ax.axvline(best, color=color, ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set(xlabel="learning rate", ylabel="final loss (capped at initial)")
+        title = ", ".join(f"{short_key(k)}={format_value(v)}" for k, v in zip(others, setting))
+        ax.set_title(title or short_key(size), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return fig
+
+
 def figures(report: Report) -> list[tuple[str, str, Figure]]:
     """(title, file stem, figure) for every plot the data supports."""
     out = [
@@ -178,6 +208,7 @@ def figures(report: Report) -> list[tuple[str, str, Figure]]:
         ("validation loss against tokens", "val_loss", val),
         ("per-layer statistics at the end", "layers", per_layer(report)),
         ("loss against learning rate", "lr", loss_vs_lr(report)),
+        ("learning-rate transfer across model size", "lr_transfer", lr_transfer(report)),
     ):
         if fig is not None:
             out.append((title, stem, fig))

@@ -18,7 +18,16 @@ from pathlib import Path
 import numpy as np
 
 from transformer.report.plots import plot_all
-from transformer.report.stats import BUDGET_TAIL, LR_KEY, Report, build, format_value, mean_std, short_key
+from transformer.report.stats import (
+    BUDGET_TAIL,
+    LR_KEY,
+    Report,
+    build,
+    format_value,
+    mean_std,
+    short_key,
+    transfer_lines,
+)
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
@@ -37,6 +46,12 @@ COLUMNS = [  # (header, Summary field, format)
     ("tokens/s", "tokens_per_s", "{:,.0f}"),
 ]
 SENSITIVITY_TITLE = "Learning-rate sensitivity (Wortsman et al. 2023)"
+TRANSFER_TITLE = "Learning-rate transfer"
+TRANSFER_NOTE = (
+    "The best learning rate at each model size: the vertex of a parabola in log lr through the lowest "
+    "mean final loss (over seeds, capped at the initial loss) and its two grid neighbours. Under µP "
+    "(Yang et al. 2021) it should not move with width; a move of less than one grid step is not resolved."
+)
 SENSITIVITY_NOTE = "mean over the LR grid of min(final loss, initial loss) − best final loss; lower is more stable."
 
 Table = tuple[list[str], list[list[str]]]  # header, rows
@@ -97,6 +112,7 @@ class _Page:
     notes: list[str]
     main: Table
     sensitivity: Table
+    transfer: list[str]  # the learning-rate transfer's lines (stats.transfer_lines)
     plots: list[tuple[str, Path]]  # (title, PNG)
 
 
@@ -117,6 +133,8 @@ def _markdown(page: _Page) -> str:
     md += [markdown_table(*page.main), ""]
     if page.sensitivity[1]:
         md += [f"## {SENSITIVITY_TITLE}", "", SENSITIVITY_NOTE, "", markdown_table(*page.sensitivity), ""]
+    if page.transfer:
+        md += [f"## {TRANSFER_TITLE}", "", TRANSFER_NOTE, "", *(f"- {line}" for line in page.transfer), ""]
     md += ["## Plots", ""] + [f"![{title}]({PLOTS_DIR}/{path.name})" for title, path in page.plots] + [""]
     return "\n".join(md)
 
@@ -139,6 +157,13 @@ def _html(page: _Page) -> str:
         if page.sensitivity[1]
         else ""
     )
+    transfer = (
+        f"<h2>{TRANSFER_TITLE}</h2><p>{TRANSFER_NOTE}</p><ul>"
+        + "".join(f"<li>{html.escape(line)}</li>" for line in page.transfer)
+        + "</ul>"
+        if page.transfer
+        else ""
+    )
     style = (
         "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:collapse;font-size:90%}"
         "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}img{max-width:100%}"
@@ -150,6 +175,7 @@ def _html(page: _Page) -> str:
         + "".join(f"<p>{html.escape(n)}</p>" for n in page.notes)
         + _html_table(*page.main)
         + sensitivity
+        + transfer
         + f"<h2>Plots</h2>{images}</body></html>"
     )
 
@@ -161,11 +187,14 @@ def write_report(directory: Path, log: Callable[[str], None] = print) -> Path:
     report = build(directory)
     main = table(report)
     plots = plot_all(report, directory / PLOTS_DIR)
+    sensitivity, transfer = sensitivity_rows(report), transfer_lines(report)
     page = _Page(
-        directory.name, report.verdict(), report.best_loss_line(), _notes(report), main, sensitivity_rows(report), plots
+        directory.name, report.verdict(), report.best_loss_line(), _notes(report), main, sensitivity, transfer, plots
     )
     (directory / REPORT_MD).write_text(_markdown(page))
     (directory / REPORT_HTML).write_text(_html(page))
     log(markdown_table(*page.main))
     log(f"verdict: {page.verdict}")
+    for line in transfer:
+        log(f"lr transfer: {line}")
     return directory / REPORT_MD

@@ -451,3 +451,77 @@ def _verdict_line(key: str, measure: str, head: str, pair: tuple[Hashable, Hasha
     if wins > n / 2:
         return f"Tentatively, {best} was more stable than {second}: lower {measure} in {wins} of {n} paired settings ({head}; {spread}); not conclusive."
     return f"No clear stability difference between {best} and {second}: lower {measure} in only {wins} of {n} paired settings ({head}; {spread})."
+
+
+# --- learning-rate transfer ------------------------------------------------------------------------
+
+SIZE_KEYS = ("model.d_model", "model.n_layers")  # what a learning rate is transferred across
+Transfer = dict[tuple, dict[int, tuple[float, bool]]]  # setting -> size -> (best lr, at the grid's edge)
+
+
+def best_lr(points: dict[float, float]) -> tuple[float, bool]:
+    """(the best learning rate, whether the grid's lowest loss is at its edge) from {lr: loss}: the
+    vertex of the parabola in log lr through the lowest point and its two neighbours, kept between
+    them; at an edge (or where the three points do not curve up), the lowest point's own lr."""
+    lrs = sorted(points)
+    losses = [points[lr] for lr in lrs]
+    i = int(np.argmin(losses))
+    if i in (0, len(lrs) - 1):
+        return lrs[i], True
+    x = np.log(lrs[i - 1 : i + 2])
+    a, b, _ = np.polyfit(x, losses[i - 1 : i + 2], 2)
+    return (float(np.exp(np.clip(-b / (2 * a), x[0], x[2]))) if a > 0 else lrs[i]), False
+
+
+def transfer_points(report: Report, size: str) -> dict[tuple, dict[int, dict[float, float]]]:
+    """{setting of the varied keys other than the learning rate and `size`: {size: {lr: loss}}},
+    the loss each run's final loss capped at its initial loss (as the LR sensitivity counts a
+    diverged run), averaged over the finished seeds; {} unless the report varies both keys."""
+    if LR_KEY not in report.keys or size not in report.keys:
+        return {}
+    others = [k for k in report.keys if k not in (LR_KEY, size)]
+    cells: dict[tuple, dict[int, dict[float, list[float]]]] = {}
+    for run in report.finished(report.runs):
+        s, final = report.summaries[run.name], report.final_loss(run)
+        capped = min(final, s.initial_loss) if math.isfinite(final) else s.initial_loss
+        setting = tuple(_hashable(run.values.get(k)) for k in others)
+        by_lr = cells.setdefault(setting, {}).setdefault(int(run.values[size]), {})
+        by_lr.setdefault(float(run.values[LR_KEY]), []).append(capped)
+    return {
+        setting: {v: {lr: float(np.mean(ls)) for lr, ls in by_lr.items()} for v, by_lr in sorted(sizes.items())}
+        for setting, sizes in cells.items()
+    }
+
+
+def transfer(report: Report, size: str) -> Transfer:
+    """The best learning rate at each value of `size` for each setting of the other varied keys
+    (`transfer_points`), where two or more sizes each have three or more learning rates."""
+    return {
+        setting: {v: best_lr(by_lr) for v, by_lr in sizes.items()}
+        for setting, sizes in transfer_points(report, size).items()
+        if len(sizes) > 1 and all(len(by_lr) > 2 for by_lr in sizes.values())
+    }
+
+
+def transfer_lines(report: Report) -> list[str]:
+    """One line per size key and setting: the best learning rate at each size, and whether the
+    optimum moved between the smallest and the largest size by a grid step or more."""
+    lines = []
+    for size in SIZE_KEYS:
+        others = [k for k in report.keys if k not in (LR_KEY, size)]
+        grid = np.log(sorted({float(r.values[LR_KEY]) for r in report.runs if LR_KEY in r.values}))
+        step = float(np.median(np.diff(grid))) if len(grid) > 1 else math.nan
+        for setting, sizes in transfer(report, size).items():
+            label = ", ".join(f"{short_key(k)}={format_value(v)}" for k, v in zip(others, setting))
+            best = ", ".join(f"{lr:.3g} at {format_value(v)}" for v, (lr, _) in sizes.items())
+            first, last = sizes[min(sizes)][0], sizes[max(sizes)][0]
+            shift = math.log(last / first) / step
+            moved = (
+                f"the optimum moved by {shift:+.1f} grid steps"
+                if abs(shift) >= 1
+                else f"the optimum stayed within one grid step ({shift:+.1f})"
+            )
+            edges = [format_value(v) for v, (_, edge) in sizes.items() if edge]
+            edge = f"; at the grid's edge at {', '.join(edges)}, so it may lie beyond" if edges else ""
+            lines.append(f"{short_key(size)}{' (' + label + ')' if label else ''}: best lr {best}; {moved}{edge}.")
+    return lines
