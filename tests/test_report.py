@@ -81,12 +81,12 @@ def sweep_dir(directory, runs: dict[str, dict]):
         }
         for n, r in runs.items()
     ]
-    manifest = {
-        "source": "x.yaml",
-        "keys": ["model.norm_position", "optim.lr"],
-        "compare": "model.norm_position",
-        "members": members,
-    }
+    write_manifest(directory, ["model.norm_position", "optim.lr"], members)
+
+
+def write_manifest(directory, keys: list[str], members: list[dict]) -> None:
+    """The sweep manifest of hand-made members, comparing the first key."""
+    manifest = {"source": "x.yaml", "keys": keys, "compare": keys[0], "members": members}
     (directory / "sweep.json").write_text(json.dumps(manifest))
 
 
@@ -314,13 +314,7 @@ def _transfer_sweep(tmp_path, optimum: dict[int, float]):
                 members.append(
                     {"name": name, "variant": name.rsplit("-s", 1)[0], "seed": seed, "values": values, "labels": {}}
                 )
-    manifest = {
-        "source": "x.yaml",
-        "keys": ["model.d_model", "optim.lr"],
-        "compare": "model.d_model",
-        "members": members,
-    }
-    (tmp_path / "sweep.json").write_text(json.dumps(manifest))
+    write_manifest(tmp_path, ["model.d_model", "optim.lr"], members)
     return build(tmp_path)
 
 
