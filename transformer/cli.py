@@ -161,15 +161,15 @@ def _preflight_main(configs: list[tuple[str, Config]], topology: str | None) -> 
 
 
 def _coord_widths(args: argparse.Namespace) -> tuple[list[int], int]:
-    from transformer.train.coordcheck import STEPS, WIDTHS
+    from transformer.train import COORD_STEPS, COORD_WIDTHS
 
     try:
-        widths = [int(w) for w in args.coord_widths.split(",")] if args.coord_widths else list(WIDTHS)
+        widths = [int(w) for w in args.coord_widths.split(",")] if args.coord_widths else list(COORD_WIDTHS)
     except ValueError:
         _fail("train.py", f"--coord-widths: {args.coord_widths!r} is not a comma-separated list of widths")
     if len(widths) < 2 or min(widths) < 1 or len(set(widths)) != len(widths):
         _fail("train.py", f"--coord-widths: give two or more different positive widths, got {args.coord_widths}")
-    steps = STEPS if args.coord_steps is None else args.coord_steps
+    steps = COORD_STEPS if args.coord_steps is None else args.coord_steps
     if steps < 1:
         _fail("train.py", f"--coord-steps: must be >= 1, got {steps}")
     return sorted(widths), steps
@@ -179,13 +179,13 @@ def _coord_check_main(args: argparse.Namespace, cfg: Config) -> int:
     """`--coord-check`: the figure and one line per quantity, in --workdir (default runs/coord-check-<config>-<time>)."""
     from transformer.config_loader import load_raw
     from transformer.data import DataError
-    from transformer.train import coordcheck
+    from transformer.train import coord_check_config, run_coord_check, write_coord_check
 
     widths, steps = _coord_widths(args)
     try:
         for width in widths:  # every width's config is valid before anything is trained
-            coordcheck.width_config(load_raw(args.config, args.overrides), width, cfg.model.parametrization, cfg.model)
-        check = coordcheck.run_coord_check(load_raw(args.config, args.overrides), cfg, widths, steps)
+            coord_check_config(load_raw(args.config, args.overrides), width, cfg.model.parametrization, cfg.model)
+        check = run_coord_check(load_raw(args.config, args.overrides), cfg, widths, steps)
     except ConfigError as e:
         _fail("train.py", f"--coord-check: {e}")
     except DataError as e:
@@ -194,7 +194,7 @@ def _coord_check_main(args: argparse.Namespace, cfg: Config) -> int:
     out = Path(args.workdir) if args.workdir else Path("runs") / f"coord-check-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     for line in check.lines():
         print(line)
-    print("wrote " + ", ".join(str(p) for p in coordcheck.write(check, out)))
+    print("wrote " + ", ".join(str(p) for p in write_coord_check(check, out)))
     return 0
 
 

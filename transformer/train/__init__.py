@@ -7,6 +7,8 @@ those above it in this list (or none of them):
 - `validation.py`: validation on the host, each source's windows through the eval step;
 - `preflight.py`: the train step compiled ahead of time (local devices or a TPU topology), its
   memory per device and FLOPs;
+- `coordcheck.py`: `--coord-check`, the model trained a few steps at a series of widths and the
+  RMS of its activations against width (µP's check, under the standard parametrization beside it);
 - `monitor.py`: spike and divergence detection, the recovery state replayed from events, faults;
 - `metrics.py`, `feed.py`, `signals.py`, `profile.py`, `wandb_sink.py`: the throughput/MFU meter
   and progress bar, batches made ahead on a thread, SIGTERM/SIGINT as a request to stop, the
@@ -24,6 +26,13 @@ from typing import TYPE_CHECKING
 from transformer.lazy import exports
 
 if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ imports each on first use
+    from transformer.train.coordcheck import (  # noqa: F401
+        COORD_STEPS,
+        COORD_WIDTHS,
+        coord_check_config,
+        run_coord_check,
+        write_coord_check,
+    )
     from transformer.train.job import run  # noqa: F401
     from transformer.train.monitor import MonitorStop  # noqa: F401
     from transformer.train.preflight import OutOfMemory, run_preflight  # noqa: F401
@@ -34,6 +43,7 @@ if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ import
 __all__, __getattr__ = exports(
     __name__,
     {
+        "coordcheck": ("COORD_STEPS", "COORD_WIDTHS", "coord_check_config", "run_coord_check", "write_coord_check"),
         "job": ("run",),
         "monitor": ("MonitorStop",),
         "preflight": ("OutOfMemory", "run_preflight"),

@@ -34,8 +34,8 @@ from transformer.config_loader import from_dict
 from transformer.data import Data, prepare
 from transformer.train.trainer import Trainer, default_controls, encoder_inputs, model_inputs
 
-WIDTHS = (64, 128, 256, 512, 1024)
-STEPS = 3
+COORD_WIDTHS = (64, 128, 256, 512, 1024)
+COORD_STEPS = 3
 # quantity -> (its label, the per-layer statistic it averages; None: computed at the model's ends)
 QUANTITIES: dict[str, tuple[str, str | None]] = {
     "embedding": ("embedding output", None),
@@ -50,7 +50,7 @@ MUP_BASE = ("mup_base_d_model", "mup_base_n_heads", "mup_base_head_dim", "mup_ba
 RESULT_FILE, FIGURE_FILE = "coord_check.json", "coord_check.png"
 
 
-def width_config(raw: dict[str, Any], width: int, parametrization: str, base: ModelConfig) -> Config:
+def coord_check_config(raw: dict[str, Any], width: int, parametrization: str, base: ModelConfig) -> Config:
     """The raw config at `width` under `parametrization`: µP against `base`'s shape (the same for
     every width), the learning rate constant from the first step."""
     model = {k: v for k, v in (raw.get("model") or {}).items() if k not in MUP_BASE}
@@ -83,7 +83,7 @@ def _batch(trainer: Trainer, data: Data, step: int) -> dict:
     return trainer.put_batch(data.train_batch(step, jax.process_index(), jax.process_count()), B)
 
 
-def measure(cfg: Config, data: Data, steps: int) -> dict[str, list[float]]:
+def coordinates(cfg: Config, data: Data, steps: int) -> dict[str, list[float]]:
     """Each quantity's RMS on the first batch, before the first step and after each of `steps`."""
     trainer = Trainer(cfg, sharding.make_mesh(cfg))
     state, probe, ends = trainer.init(jax.random.key(cfg.train.seed)), _batch(trainer, data, 0), _ends(trainer)
@@ -98,12 +98,12 @@ def measure(cfg: Config, data: Data, steps: int) -> dict[str, list[float]]:
     return out
 
 
-def slope(widths: list[int], values: list[float]) -> float:
+def _slope(widths: list[int], values: list[float]) -> float:
     """The least-squares slope of log value against log width."""
     return float(np.polyfit(np.log(widths), np.log(np.maximum(values, 1e-30)), 1)[0])
 
 
-def verdict(name: str, parametrization: str, s: float, step: int) -> str:
+def _verdict(name: str, parametrization: str, s: float, step: int) -> str:
     trend = "flat" if abs(s) < FLAT else ("grows" if s > 0 else "shrinks")
     return (
         f"{parametrization}: {QUANTITIES[name][0]}: {trend} (slope {s:+.2f} of log RMS against log width, step {step})"
@@ -119,10 +119,10 @@ class CoordCheck:
     rms: dict[str, dict[str, list[list[float]]]]
 
     def slopes(self) -> dict[str, dict[str, float]]:
-        return {p: {q: slope(self.widths, by_step[-1]) for q, by_step in qs.items()} for p, qs in self.rms.items()}
+        return {p: {q: _slope(self.widths, by_step[-1]) for q, by_step in qs.items()} for p, qs in self.rms.items()}
 
     def lines(self) -> list[str]:
-        return [verdict(q, p, s, self.steps) for p, qs in self.slopes().items() for q, s in qs.items()]
+        return [_verdict(q, p, s, self.steps) for p, qs in self.slopes().items() for q, s in qs.items()]
 
     def to_json(self) -> str:
         return json.dumps({"widths": self.widths, "steps": self.steps, "rms": self.rms, "slopes": self.slopes()})
@@ -136,14 +136,14 @@ def run_coord_check(raw: dict[str, Any], cfg: Config, widths: list[int], steps: 
     for kind in kinds:
         by_width = []
         for width in widths:
-            member = width_config(raw, width, kind, cfg.model).with_vocab(data.vocab_size)
-            by_width.append(measure(member, data, steps))
+            member = coord_check_config(raw, width, kind, cfg.model).with_vocab(data.vocab_size)
+            by_width.append(coordinates(member, data, steps))
             log(f"coord-check: {kind} d_model={width} done")
         rms[kind] = {q: [[w[q][t] for w in by_width] for t in range(steps + 1)] for q in QUANTITIES}
     return CoordCheck(list(widths), steps, rms)
 
 
-def figure(check: CoordCheck):
+def _figure(check: CoordCheck):
     """RMS against width, a line per step, a panel per quantity, a row per parametrization."""
     from matplotlib.figure import Figure
 
@@ -164,8 +164,8 @@ def figure(check: CoordCheck):
     return fig
 
 
-def write(check: CoordCheck, out: Path) -> list[Path]:
+def write_coord_check(check: CoordCheck, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULT_FILE).write_text(check.to_json())
-    figure(check).savefig(out / FIGURE_FILE, dpi=100)
+    _figure(check).savefig(out / FIGURE_FILE, dpi=100)
     return [out / RESULT_FILE, out / FIGURE_FILE]
