@@ -328,6 +328,15 @@ def test_lr_transfer_names_each_widths_best_lr_and_whether_it_moved(tmp_path):
     shift = math.log(2.5e-3 / 8e-3) / math.log(3.0)  # the grid's median step is x3
     assert line == f"d_model: best lr 0.008 at 32, 0.0025 at 64; the optimum moved by {shift:+.1f} grid steps."
     assert transfer(report, "model.n_layers") == {}  # not varied
+    for run in (
+        tmp_path / "d64-lr0.03-s0",
+        tmp_path / "d64-lr0.03-s1",
+        tmp_path / "d64-lr0.01-s0",
+        tmp_path / "d64-lr0.01-s1",
+    ):
+        (run / "events.jsonl").write_text('{"event": "start", "step": 0}\n')  # not finished: two lrs left at 64
+    partial = build(tmp_path)
+    assert transfer(partial, "model.d_model") == {}  # one size with three learning rates says nothing
 
 
 def test_lr_transfer_that_holds_is_said_to_stay_and_is_drawn_in_the_report(tmp_path):

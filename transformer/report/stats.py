@@ -494,13 +494,15 @@ def transfer_points(report: Report, size: str) -> dict[tuple, dict[int, dict[flo
 
 
 def transfer(report: Report, size: str) -> Transfer:
-    """The best learning rate at each value of `size` for each setting of the other varied keys
-    (`transfer_points`), where two or more sizes each have three or more learning rates."""
-    return {
-        setting: {v: best_lr(by_lr) for v, by_lr in sizes.items()}
-        for setting, sizes in transfer_points(report, size).items()
-        if len(sizes) > 1 and all(len(by_lr) > 2 for by_lr in sizes.values())
-    }
+    """The best learning rate at each value of `size` that has three or more finished learning
+    rates, for each setting of the other varied keys (`transfer_points`) that has two such sizes
+    (so a partly run sweep reports the sizes it has)."""
+    out: Transfer = {}
+    for setting, sizes in transfer_points(report, size).items():
+        best = {v: best_lr(by_lr) for v, by_lr in sizes.items() if len(by_lr) > 2}
+        if len(best) > 1:
+            out[setting] = best
+    return out
 
 
 def transfer_lines(report: Report) -> list[str]:
