@@ -179,12 +179,10 @@ def _coord_check_main(args: argparse.Namespace, cfg: Config) -> int:
     """`--coord-check`: the figure and one line per quantity, in --workdir (default runs/coord-check-<config>-<time>)."""
     from transformer.config_loader import load_raw
     from transformer.data import DataError
-    from transformer.train import coord_check_config, run_coord_check, write_coord_check
+    from transformer.train import run_coord_check, write_coord_check
 
     widths, steps = _coord_widths(args)
     try:
-        for width in widths:  # every width's config is valid before anything is trained
-            coord_check_config(load_raw(args.config, args.overrides), width, cfg.model.parametrization, cfg.model)
         check = run_coord_check(load_raw(args.config, args.overrides), cfg, widths, steps)
     except ConfigError as e:
         _fail("train.py", f"--coord-check: {e}")

@@ -544,11 +544,10 @@ class ModelConfig:
         """The attention logits' scale: 1/sqrt(qk_head_dim), or attn_scale. Under µP 1/d instead of
         1/sqrt(d) (keys and queries become correlated in training, so their dot product grows as d),
         written as the base's scale times base/d so that at the base shape it is the same float."""
-        base = self.attn_scale if self.attn_scale is not None else self.qk_head_dim**-0.5
-        if self.parametrization != "mup":
-            return base
-        head_dim = self.mup_base_head_dim
-        return (self.attn_scale if self.attn_scale is not None else head_dim**-0.5) * (head_dim / self.head_dim)
+        mup = self.parametrization == "mup"  # µP takes MHA only, whose qk_head_dim is head_dim
+        head_dim = self.mup_base_head_dim if mup else self.qk_head_dim
+        base = self.attn_scale if self.attn_scale is not None else head_dim**-0.5
+        return base * (head_dim / self.head_dim) if mup else base
 
     @property
     def width_multipliers(self) -> dict[str, float]:

@@ -62,10 +62,14 @@ RULES: dict[str, Scaling] = {
 }
 
 
+def _power(cfg: ModelConfig, rule: Scaling, exponent: float) -> float:
+    """m of `rule`'s fan-in width to `exponent` (1.0 without a width fan-in, and at the base shape)."""
+    return 1.0 if rule.fan_in is None else cfg.width_multipliers[rule.fan_in] ** exponent
+
+
 def init_factor(cfg: ModelConfig, name: str) -> float:
     """What parameter `name`'s initial standard deviation is multiplied by (1.0 at the base shape)."""
-    rule = RULES[name]
-    return 1.0 if rule.fan_in is None else cfg.width_multipliers[rule.fan_in] ** rule.init
+    return _power(cfg, RULES[name], RULES[name].init)
 
 
 def output_multiplier(cfg: ModelConfig) -> float:
@@ -81,7 +85,6 @@ def lr_multipliers(cfg: ModelConfig, params: dict) -> dict:
         name = path[-1].key
         if name not in RULES:
             raise ValueError(f"model/parametrization.py has no µP rule for parameter {name!r}")
-        rule = RULES[name]
-        return 1.0 if rule.fan_in is None else cfg.width_multipliers[rule.fan_in] ** rule.lr
+        return _power(cfg, RULES[name], RULES[name].lr)
 
     return jax.tree_util.tree_map_with_path(multiplier, params)

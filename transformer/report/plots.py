@@ -132,11 +132,9 @@ def loss_vs_lr(report: Report) -> Figure | None:
     others = [k for k in report.keys if k != LR_KEY]
     lines: dict[str, dict[float, list[tuple[float, bool]]]] = {}
     for run in report.finished(report.runs):
-        s = report.summaries[run.name]
-        final = report.final_loss(run)
-        capped = min(final, s.initial_loss) if math.isfinite(final) else s.initial_loss
         label = ",".join(format_value(run.values.get(k)) for k in others) or "all"
-        lines.setdefault(label, {}).setdefault(float(run.values[LR_KEY]), []).append((capped, s.diverged))
+        point = (report.capped_final_loss(run), report.summaries[run.name].diverged)
+        lines.setdefault(label, {}).setdefault(float(run.values[LR_KEY]), []).append(point)
     if not lines:
         return None
     fig, (ax,) = _grid(1, width=7.0, height=4.5)
@@ -162,14 +160,16 @@ def loss_vs_lr(report: Report) -> Figure | None:
 def lr_transfer(report: Report) -> Figure | None:
     """Final loss against the learning rate, a curve per model size (µP's Figure 1), a panel per
     size key and setting of the other keys; a dotted line marks each size's best learning rate."""
-    panels = [(size, setting) for size in SIZE_KEYS for setting in transfer(report, size)]
+    found = {size: (transfer(report, size), transfer_points(report, size)) for size in SIZE_KEYS}
+    panels = [(size, setting) for size, (best_by_setting, _) in found.items() for setting in best_by_setting]
     if not panels:
         return None
     fig, axes = _grid(len(panels))
     for ax, (size, setting) in zip(axes, panels):
         others = [k for k in report.keys if k not in (LR_KEY, size)]
-        curves_by_size = transfer_points(report, size)[setting]
-        for color, (value, (best, _)) in zip(_colors(len(curves_by_size)), transfer(report, size)[setting].items()):
+        best_by_setting, points = found[size]
+        curves_by_size = points[setting]
+        for color, (value, (best, _)) in zip(_colors(len(curves_by_size)), best_by_setting[setting].items()):
             lrs = sorted(curves_by_size[value])
             ax.plot(
                 lrs,

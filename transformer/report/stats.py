@@ -315,6 +315,12 @@ class Report:
             else s.final_train_loss
         )
 
+    def capped_final_loss(self, run: Run) -> float:
+        """`final_loss` capped at the run's initial loss (a diverged run counts at its initial
+        loss), as the LR sensitivity, its figure and the learning-rate transfer read it."""
+        final, initial = self.final_loss(run), self.summaries[run.name].initial_loss
+        return min(final, initial) if math.isfinite(final) else initial
+
     def sensitivities(self) -> dict[tuple, dict[int, float]]:
         """LR sensitivity for each setting of the other varied keys: {setting: {seed: value}}."""
         if LR_KEY not in self.keys:
@@ -482,11 +488,9 @@ def transfer_points(report: Report, size: str) -> dict[tuple, dict[int, dict[flo
     others = [k for k in report.keys if k not in (LR_KEY, size)]
     cells: dict[tuple, dict[int, dict[float, list[float]]]] = {}
     for run in report.finished(report.runs):
-        s, final = report.summaries[run.name], report.final_loss(run)
-        capped = min(final, s.initial_loss) if math.isfinite(final) else s.initial_loss
         setting = tuple(_hashable(run.values.get(k)) for k in others)
         by_lr = cells.setdefault(setting, {}).setdefault(int(run.values[size]), {})
-        by_lr.setdefault(float(run.values[LR_KEY]), []).append(capped)
+        by_lr.setdefault(float(run.values[LR_KEY]), []).append(report.capped_final_loss(run))
     return {
         setting: {v: {lr: float(np.mean(ls)) for lr, ls in by_lr.items()} for v, by_lr in sorted(sizes.items())}
         for setting, sizes in cells.items()

@@ -26,13 +26,7 @@ from typing import TYPE_CHECKING
 from transformer.lazy import exports
 
 if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ imports each on first use
-    from transformer.train.coordcheck import (  # noqa: F401
-        COORD_STEPS,
-        COORD_WIDTHS,
-        coord_check_config,
-        run_coord_check,
-        write_coord_check,
-    )
+    from transformer.train.coordcheck import COORD_STEPS, COORD_WIDTHS, run_coord_check, write_coord_check  # noqa: F401
     from transformer.train.job import run  # noqa: F401
     from transformer.train.monitor import MonitorStop  # noqa: F401
     from transformer.train.preflight import OutOfMemory, run_preflight  # noqa: F401
@@ -43,7 +37,7 @@ if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ import
 __all__, __getattr__ = exports(
     __name__,
     {
-        "coordcheck": ("COORD_STEPS", "COORD_WIDTHS", "coord_check_config", "run_coord_check", "write_coord_check"),
+        "coordcheck": ("COORD_STEPS", "COORD_WIDTHS", "run_coord_check", "write_coord_check"),
         "job": ("run",),
         "monitor": ("MonitorStop",),
         "preflight": ("OutOfMemory", "run_preflight"),

@@ -130,14 +130,15 @@ class CoordCheck:
 
 def run_coord_check(raw: dict[str, Any], cfg: Config, widths: list[int], steps: int, log=print) -> CoordCheck:
     """The check of `cfg` (resolved from `raw`): its parametrization and, beside it, the standard one."""
-    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
     kinds = [cfg.model.parametrization] + (["standard"] if cfg.model.parametrization != "standard" else [])
+    # every width's config, validated before anything is read or trained
+    members = {kind: [coord_check_config(raw, w, kind, cfg.model) for w in widths] for kind in kinds}
+    data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
     rms: dict[str, dict[str, list[list[float]]]] = {}
-    for kind in kinds:
+    for kind, configs in members.items():
         by_width = []
-        for width in widths:
-            member = coord_check_config(raw, width, kind, cfg.model).with_vocab(data.vocab_size)
-            by_width.append(coordinates(member, data, steps))
+        for width, member in zip(widths, configs):
+            by_width.append(coordinates(member.with_vocab(data.vocab_size), data, steps))
             log(f"coord-check: {kind} d_model={width} done")
         rms[kind] = {q: [[w[q][t] for w in by_width] for t in range(steps + 1)] for q in QUANTITIES}
     return CoordCheck(list(widths), steps, rms)
