@@ -1,6 +1,6 @@
-"""µP (model/parametrization.py): at the base shape the standard model bit for bit, away from it the
-table's closed forms, a coordinate check that is flat in width where the standard one grows, and
-one line for every combination it has no rule for."""
+"""µP and depth scaling (model/parametrization.py): at the base shape the standard model bit for bit,
+away from it the table's closed forms, a coordinate check that is flat in width where the standard
+one grows, and one line for every combination it has no rule for."""
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,9 @@ from flax import nnx
 from transformer import sharding
 from transformer.config import ConfigError, ModelConfig, config_changes
 from transformer.config_loader import load_config
-from transformer.model import Transformer, lr_multipliers
+from transformer.model import OptimizerScaling, Transformer, optimizer_scaling
 from transformer.model.layers import InitScales
-from transformer.model.parametrization import RULES, output_multiplier
+from transformer.model.parametrization import RULES, branch_multiplier, output_multiplier
 from transformer.train import Trainer
 from transformer.train.optim import make_optimizer
 from transformer.train.trainer import default_controls
@@ -28,7 +28,13 @@ VARIANTS = {
     "encoder": dict(arch="encoder"),
     "encoder-decoder": dict(arch="encoder_decoder", n_encoder_layers=1),
     "head-dim-6": dict(d_model=24),  # sqrt(6)/6 is not the float 6**-0.5: the scale must be the base's
+    "moe-shared-every-2": dict(n_experts=4, top_k=2, n_shared_experts=1, moe_every=2),
+    "moe-sigmoid-dropless": dict(n_experts=4, router="sigmoid", capacity_factor=None, moe_d_ff=48),
+    # depth scaling at the base depth (the model's own by default)
+    "complete-p": dict(depth_scaling="complete_p"),
+    "depth-mup-sandwich-moe": dict(depth_scaling="depth_mup", norm_position="sandwich", n_experts=4),
 }
+MUP_ONLY = ("depth_scaling",)  # keys the standard twin of a variant leaves out
 
 
 def _params(m: ModelConfig) -> dict:
@@ -42,9 +48,10 @@ def _leaves_equal(a, b) -> bool:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_at_the_base_shape_mup_is_the_standard_model_bit_for_bit(variant):
-    standard = tiny(**VARIANTS[variant])
+    standard = tiny(**{k: v for k, v in VARIANTS[variant].items() if k not in MUP_ONLY})
     mup = tiny(**VARIANTS[variant], parametrization="mup")  # the base shape defaults to the model's own
     assert set(mup.width_multipliers.values()) == {1.0} and mup.scale == standard.scale
+    assert mup.depth_multiplier == branch_multiplier(mup) == 1.0
     ps, pm = _params(standard), _params(mup)
     assert _leaves_equal(ps, pm)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 8)), jnp.int32)
@@ -75,9 +82,17 @@ def _batch(trainer: Trainer, seed: int = 0) -> dict:
     return trainer.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, 8)
 
 
-def test_at_the_base_shape_mup_takes_the_standard_update_bit_for_bit():
+@pytest.mark.parametrize(
+    "mup",
+    [
+        ["model.parametrization=mup"],
+        ["model.parametrization=mup", "model.depth_scaling=complete_p", "optim.name=lion"],
+        ["model.parametrization=mup", "model.depth_scaling=depth_mup", "model.n_experts=2", "optim.clip_norm=0.5"],
+    ],
+)
+def test_at_the_base_shape_mup_takes_the_standard_update_bit_for_bit(mup):
     states = []
-    for extra in ([], ["model.parametrization=mup"]):
+    for extra in ([o for o in mup if o.startswith(("optim.", "model.n_experts"))], mup):
         trainer = _trainer("optim.lr=3e-3", "optim.weight_decay=0.1", *extra)
         state = trainer.init(jax.random.key(0))
         for step in range(2):
@@ -91,7 +106,7 @@ def test_init_scales_learning_rates_and_multipliers_are_the_closed_forms():
     m = tiny(d_model=128, n_layers=3, ffn="gelu", parametrization="mup", mup_base_d_model=32)
     # n_heads 4 at both: head_dim 32 against 8; d_ff 4*D against 4*32 (both rounded to 16s: exact)
     assert (m.mup_base_n_heads, m.mup_base_head_dim, m.mup_base_d_ff) == (4, 8, 128)
-    widths = {"d_model": 4.0, "attention": 4.0, "d_ff": 4.0}
+    widths = {"d_model": 4.0, "attention": 4.0, "d_ff": 4.0, "moe_d_ff": 1.0}  # dense: no experts to scale
     assert m.width_multipliers == widths
     std, residual = 0.02, 0.02 / np.sqrt(2 * 3)
     scales = InitScales.of(m)
@@ -100,7 +115,7 @@ def test_init_scales_learning_rates_and_multipliers_are_the_closed_forms():
     assert scales.attn_out == pytest.approx(residual / 2) and scales.ffn_out == pytest.approx(residual / 2)
     assert output_multiplier(m) == 0.25
     assert m.scale == pytest.approx(np.sqrt(8) / 32)  # 1/d_head, equal to the base's 1/sqrt(8) at d_head 8
-    lrs = lr_multipliers(m, _params(m))
+    lrs = optimizer_scaling(m, _params(m)).lr
     flat = {"/".join(str(k.key) for k in path): v for path, v in jax.tree_util.tree_flatten_with_path(lrs)[0]}
     for path, value in flat.items():
         rule = RULES[path.split("/")[-1]]
@@ -117,28 +132,133 @@ def test_the_fan_ins_follow_heads_and_ffn_width_each_on_its_own():
     )
     # head_dim and d_ff are written, so the base keeps them; only d_model and the heads scale
     assert (m.mup_base_head_dim, m.mup_base_d_ff) == (16, 96)
-    assert m.width_multipliers == {"d_model": 2.0, "attention": 4.0, "d_ff": 1.0}
+    assert m.width_multipliers == {"d_model": 2.0, "attention": 4.0, "d_ff": 1.0, "moe_d_ff": 1.0}
     assert m.scale == 16**-0.5
 
 
-def test_per_parameter_learning_rates_scale_the_update_and_its_weight_decay():
+def test_per_parameter_multipliers_scale_the_step_its_weight_decay_and_adams_epsilon():
+    import optax
+
     from transformer.config import OptimConfig
 
     params = {"a": jnp.ones((3, 3)), "b": {"c": jnp.full((2,), 2.0)}}
     grads = {"a": jnp.full((3, 3), 0.5), "b": {"c": jnp.full((2,), -1.0)}}
     cfg = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0.1)
-    plain = make_optimizer(cfg, 10, params)
-    scaled = make_optimizer(cfg, 10, params, {"a": 0.25, "b": {"c": 1.0}})
-    u0, _ = plain.update(grads, plain.init(params), params)
-    u1, _ = scaled.update(grads, scaled.init(params), params)
-    np.testing.assert_allclose(np.asarray(u1["a"]), 0.25 * np.asarray(u0["a"]), rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(u1["b"]["c"]), np.asarray(u0["b"]["c"]))  # 1.0: untouched
+
+    def update(scaling=None, c=cfg):
+        opt = make_optimizer(c, 10, params, scaling)
+        return jax.tree.map(np.asarray, opt.update(grads, opt.init(params), params)[0])
+
+    ones = {"a": 1.0, "b": {"c": 1.0}}
+    plain, no_decay = update(), update(c=OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0))
+    # all 1.0 is the plain chain to the last bit
+    assert _leaves_equal(update(OptimizerScaling(ones, ones, 1.0)), plain)
+    # µP: the decay rides on the learning rate's multiplier
+    rides = update(OptimizerScaling({"a": 0.25, "b": {"c": 1.0}}, {"a": 0.25, "b": {"c": 1.0}}, 1.0))
+    np.testing.assert_allclose(rides["a"], 0.25 * plain["a"], rtol=1e-6)
+    np.testing.assert_array_equal(rides["b"]["c"], plain["b"]["c"])  # 1.0: untouched
+    # depth scaling: its own decay multiplier, lr * (0.25 * adam + 0.5 * wd * p)
+    own = update(OptimizerScaling({"a": 0.25, "b": {"c": 1.0}}, {"a": 0.5, "b": {"c": 1.0}}, 1.0))
+    np.testing.assert_allclose(own["a"], 0.25 * no_decay["a"] - 1e-2 * 0.5 * 0.1 * 1.0, rtol=1e-6)
+    # epsilon's factor: Adam's epsilon times it
+    big_eps = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0.1, eps=1e-8 * 1e7)
+    np.testing.assert_allclose(update(OptimizerScaling(ones, ones, 1e7))["a"], update(c=big_eps)["a"], rtol=1e-6)
+    assert not np.allclose(update(c=big_eps)["a"], plain["a"])  # the factor is large enough to show
+    del optax
+
+
+def test_depth_scaling_multiplies_each_residual_branch_after_its_output_norm():
+    from transformer.model import Block
+
+    x = jax.random.normal(jax.random.key(0), (2, 4, 32))
+    y = jax.random.normal(jax.random.key(1), (2, 4, 32))
+    for position in ("pre", "sandwich"):
+        for depth, alpha in (("complete_p", 1.0), ("depth_mup", 0.5)):
+            m = tiny(
+                n_layers=8, parametrization="mup", depth_scaling=depth, mup_base_n_layers=2, norm_position=position
+            )
+            assert m.depth_multiplier == 4.0 and branch_multiplier(m) == 4.0**-alpha
+            block = Block(m, rngs=nnx.Rngs(0))
+            out = block.add_sublayer(x, y, block.attn_norm, block.attn_out_norm, None)
+            written = y if position == "pre" else block.attn_out_norm(y)  # type: ignore[misc]
+            np.testing.assert_allclose(np.asarray(out - x), 4.0**-alpha * np.asarray(written), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("depth", "alpha"), [("complete_p", 1.0), ("depth_mup", 0.5)])
+def test_depth_scalings_learning_rates_decay_epsilon_and_init_are_the_closed_forms(depth, alpha):
+    m = tiny(
+        d_model=64,
+        n_layers=8,
+        ffn="gelu",
+        parametrization="mup",
+        mup_base_d_model=32,
+        depth_scaling=depth,
+        mup_base_n_layers=2,
+    )
+    m_n, m_l = 2.0, 4.0
+    scaling = optimizer_scaling(m, _params(m))
+    lr, decay = (
+        {"/".join(str(k.key) for k in path): v for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        for tree in (scaling.lr, scaling.decay)
+    )
+    for name in ("blocks/attn/qkv", "blocks/attn/out", "blocks/ffn/w_in", "blocks/ffn/w_out"):
+        assert lr[name] == pytest.approx(m_n**-1 * m_l ** (alpha - 1)) and decay[name] == pytest.approx(
+            m_l ** (alpha - 1)
+        )
+    assert lr["blocks/attn_norm/scale"] == pytest.approx(m_l ** (alpha - 1))
+    assert lr["embed"] == lr["final_norm/scale"] == 1.0 and decay["embed"] == 1.0
+    assert scaling.eps == pytest.approx(m_n**-1 * m_l**-alpha)
+    # GPT-2's depth-scaled init of the residual writes at the base depth, times µP's width factor
+    scales = InitScales.of(m)
+    assert scales.attn_out == pytest.approx(0.02 / np.sqrt(2 * 2) * m_n**-0.5)
+    assert scales.qkv == pytest.approx(0.02 * m_n**-0.5)
+
+
+def test_experts_and_the_router_follow_their_own_widths():
+    from transformer.model.moe import MoE
+
+    m = tiny(d_model=64, ffn="gelu", n_experts=4, n_shared_experts=1, parametrization="mup", mup_base_d_model=32)
+    # moe_d_ff derived from d_ff: the base's from the base d_ff, so it scales with it
+    assert m.mup_base_moe_d_ff == m.mup_base_d_ff and m.width_multipliers["moe_d_ff"] == 2.0
+    lr = {
+        "/".join(str(k.key) for k in path): v
+        for path, v in jax.tree_util.tree_flatten_with_path(optimizer_scaling(m, _params(m)).lr)[0]
+    }
+    assert lr["moe_blocks/ffn/w_out"] == lr["moe_blocks/ffn/shared/w_out"] == lr["moe_blocks/ffn/w_in"] == 0.5
+    assert lr["moe_blocks/ffn/router"] == 1.0
+    assert InitScales.of(m, experts=True).ffn_out == pytest.approx(0.02 / np.sqrt(2 * 2) / np.sqrt(2))
+    # the router is a readout of d_model into n_experts: its logits times 1/m, as the head's
+    moe = MoE(m, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 4, 64))
+    expected = np.asarray(x) @ np.asarray(moe.router[...]) / 2.0
+    np.testing.assert_allclose(np.asarray(moe.route(x).logits_BxTxE), expected, rtol=1e-5, atol=1e-6)
+    # an expert width written in the config is the base's too: it does not scale
+    fixed = tiny(d_model=64, n_experts=4, moe_d_ff=48, parametrization="mup", mup_base_d_model=32)
+    assert fixed.mup_base_moe_d_ff == 48 and fixed.width_multipliers["moe_d_ff"] == 1.0
 
 
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["model.parametrization=mup", "model.n_experts=4"], "model.n_experts"),
+        (["model.depth_scaling=complete_p"], "model.depth_scaling"),
+        (
+            ["model.parametrization=mup", "model.depth_scaling=complete_p", "model.norm_position=post"],
+            "model.depth_scaling",
+        ),
+        (
+            ["model.parametrization=mup", "model.depth_scaling=depth_mup", "model.norm_position=deepnorm"],
+            "model.depth_scaling",
+        ),
+        (
+            ["model.parametrization=mup", "model.depth_scaling=complete_p", "model.arch=encoder_decoder"],
+            "model.depth_scaling",
+        ),
+        (["model.parametrization=mup", "model.mup_base_n_layers=2"], "model.mup_base_n_layers"),
+        (["model.parametrization=mup", "model.mup_base_moe_d_ff=32"], "model.mup_base_moe_d_ff"),
+        (
+            ["model.parametrization=mup", "model.depth_scaling=complete_p", "model.mup_base_n_layers=0"],
+            "model.mup_base_n_layers",
+        ),
         (["model.parametrization=mup", "model.attention=mla"], "model.attention"),
         (["model.parametrization=mup", "optim.name=sgd"], "optim.name"),
         (["model.parametrization=mup", "optim.name=adafactor"], "optim.name"),
@@ -161,6 +281,16 @@ def test_a_mup_run_resumes_only_as_mup_and_its_base_shape_is_saved():
     assert saved.to_dict()["model"]["mup_base_head_dim"] == 16
     unsafe, _ = config_changes(saved, load_config(None, ["model.d_model=256"]))
     assert any(line.startswith("model.parametrization") for line in unsafe)
+    deep = [
+        "model.parametrization=mup",
+        "model.n_layers=8",
+        "model.depth_scaling=complete_p",
+        "model.mup_base_n_layers=2",
+    ]
+    saved = load_config(None, deep)
+    assert from_dict(saved.to_dict()) == saved and saved.to_dict()["model"]["mup_base_n_layers"] == 2
+    unsafe, _ = config_changes(saved, load_config(None, deep[:2]))
+    assert any(line.startswith("model.depth_scaling") for line in unsafe)
 
 
 @pytest.mark.slow

@@ -45,6 +45,16 @@ DType = Literal["float32", "bfloat16", "float16"]
 ComputeDType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: accelerator.choose_dtype decides
 Router = Literal["softmax", "sigmoid"]
 Parametrization = Literal["standard", "mup"]  # mup: model/parametrization.py
+DepthScaling = Literal["none", "depth_mup", "complete_p"]  # on top of mup: model/parametrization.py
+# µP's base shape: the sizes a µP model's hyperparameters were tuned at (ModelConfig._resolve_mup_base)
+MUP_BASE = (
+    "mup_base_d_model",
+    "mup_base_n_heads",
+    "mup_base_head_dim",
+    "mup_base_d_ff",
+    "mup_base_moe_d_ff",
+    "mup_base_n_layers",
+)
 ADAM_FAMILY = ("adamw", "adam", "lion")  # the optimisers µP's Adam rules hold for (per-coordinate normalised steps)
 # The three Transformer families: decoder-only (causal LM), encoder-only (bidirectional, masked LM),
 # encoder-decoder (bidirectional encoder; causal decoder with cross-attention to it).
@@ -191,6 +201,11 @@ class ModelConfig:
     mup_base_n_heads: DerivedInt = None  # type: ignore[assignment]
     mup_base_head_dim: DerivedInt = None  # type: ignore[assignment]
     mup_base_d_ff: DerivedInt = None  # type: ignore[assignment]
+    mup_base_moe_d_ff: DerivedInt = None  # type: ignore[assignment]  # with n_experts only
+    # how hyperparameters transfer across depth, on top of µP's width rules: none, depth_mup (branch
+    # multiplier m_L^-1/2) or complete_p (m_L^-1), with m_L = n_layers / mup_base_n_layers
+    depth_scaling: DepthScaling = "none"
+    mup_base_n_layers: DerivedInt = None  # type: ignore[assignment]  # with depth_scaling only; null: n_layers
 
     def __post_init__(self):
         _check_ints(self)
@@ -219,16 +234,15 @@ class ModelConfig:
         """µP's base shape, filled in as the base model would derive its own sizes: a head_dim or
         d_ff written in the config is the base's too (it does not scale), a derived one is derived
         from mup_base_d_model. Resolved once, so the saved config holds the numbers."""
-        base = ("mup_base_d_model", "mup_base_n_heads", "mup_base_head_dim", "mup_base_d_ff")
         if self.parametrization != "mup":
-            for name in base:
+            _check(
+                self.depth_scaling == "none",
+                "depth_scaling",
+                "scales µP's rules across depth: only with model.parametrization=mup (at its base width µP is the standard model)",
+            )
+            for name in MUP_BASE:
                 _check(getattr(self, name) is None, name, "sets µP's base shape: only with model.parametrization=mup")
             return
-        _check(
-            not self.n_experts,
-            "n_experts",
-            "µP has no rule here for experts and the router yet: use parametrization standard",
-        )
         _check(self.attention == "mha", "attention", "µP has no rule here for MLA's latent projections yet: use mha")
         if self.mup_base_d_model is None:
             object.__setattr__(self, "mup_base_d_model", self.d_model)
@@ -248,8 +262,37 @@ class ModelConfig:
             object.__setattr__(
                 self, "mup_base_d_ff", self.d_ff if self.d_ff is not None else self._ffn_width(self.mup_base_d_model)
             )
-        for name in ("mup_base_head_dim", "mup_base_d_ff"):
-            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        if not self.n_experts:
+            _check(
+                self.mup_base_moe_d_ff is None, "mup_base_moe_d_ff", "is the experts' base width: only with n_experts"
+            )
+        elif self.mup_base_moe_d_ff is None:  # an expert's width is d_ff's unless written
+            base = self.moe_d_ff if self.moe_d_ff is not None else self.mup_base_d_ff
+            object.__setattr__(self, "mup_base_moe_d_ff", base)
+        self._resolve_depth_base()
+        for name in MUP_BASE:
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+
+    def _resolve_depth_base(self) -> None:
+        """The base depth of depth_mup and complete_p, and the blocks their branch multiplier fits."""
+        if self.depth_scaling == "none":
+            _check(
+                self.mup_base_n_layers is None, "mup_base_n_layers", "is the base depth: only with model.depth_scaling"
+            )
+            return
+        _check(
+            self.norm_position in ("pre", "sandwich"),
+            "depth_scaling",
+            f"scales residual branches, which {self.norm_position} blocks renormalise away: use norm_position pre or sandwich",
+        )
+        _check(
+            self.arch != "encoder_decoder",
+            "depth_scaling",
+            "has one base depth, and an encoder-decoder's two stacks would need two: not yet",
+        )
+        if self.mup_base_n_layers is None:
+            object.__setattr__(self, "mup_base_n_layers", self.n_layers)
 
     def _resolve_sizes(self) -> None:
         """Check the sizes and fill in the derived ones (kv heads, head dim, FFN width)."""
@@ -554,12 +597,18 @@ class ModelConfig:
         """µP's m of each width a fan-in can have: this model's over the base's (all 1 at the base
         shape and under the standard parametrization), keyed as model/parametrization.py's table."""
         if self.parametrization != "mup":
-            return {"d_model": 1.0, "attention": 1.0, "d_ff": 1.0}
+            return {"d_model": 1.0, "attention": 1.0, "d_ff": 1.0, "moe_d_ff": 1.0}
         return {
             "d_model": self.d_model / self.mup_base_d_model,
             "attention": (self.n_heads * self.head_dim) / (self.mup_base_n_heads * self.mup_base_head_dim),
             "d_ff": self.d_ff / self.mup_base_d_ff,
+            "moe_d_ff": self.moe_d_ff / self.mup_base_moe_d_ff if self.n_experts else 1.0,
         }
+
+    @property
+    def depth_multiplier(self) -> float:
+        """m_L of depth scaling: n_layers over the base's (1.0 without depth scaling)."""
+        return 1.0 if self.depth_scaling == "none" else self.n_layers / self.mup_base_n_layers
 
 
 SourceKind = Literal["builtin", "hf", "files"]

@@ -3,8 +3,9 @@
 - `positions.py`: the position encodings and the one dispatcher (`positions_for`) that decides
   what the configured scheme contributes: added to the embeddings, a rotation of q and k, a logit
   bias, or nothing;
-- `parametrization.py`: the standard parametrization and µP in one table (init, learning-rate
-  and forward multipliers of each kind of parameter, by its width over the base shape's);
+- `parametrization.py`: the standard parametrization, µP, and depth-µP or CompleteP on top of it,
+  in one table (init, learning-rate and forward multipliers of each kind of parameter, by its width
+  over the base shape's; the residual branches' and the optimiser's by the depth over the base's);
 - `layers.py`: parameters with logical axes, the initialisation scales (`InitScales`), norms, FFNs;
 - `flash.py`: blocked attention (`attention_impl=blocked`), causal or bidirectional, static
   window, a custom VJP that recomputes the probabilities;
@@ -22,7 +23,7 @@ The model places nothing on devices: it names logical axes, which `transformer/s
 
 from transformer.model.layers import Placer, placing
 from transformer.model.moe import STEP_METRICS
-from transformer.model.parametrization import lr_multipliers
+from transformer.model.parametrization import OptimizerScaling, optimizer_scaling
 from transformer.model.summary import (
     abstract_model,
     count_params,
@@ -36,6 +37,7 @@ from transformer.model.transformer import Block, Transformer, layer_slots
 __all__ = [
     "STEP_METRICS",
     "Block",
+    "OptimizerScaling",
     "Placer",
     "Transformer",
     "abstract_model",
@@ -44,7 +46,7 @@ __all__ = [
     "flops_per_token",
     "kv_cache_bytes_per_token",
     "layer_slots",
-    "lr_multipliers",
+    "optimizer_scaling",
     "placing",
     "summary_text",
 ]

@@ -75,22 +75,25 @@ class InitScales:
     head: float  # an untied output head
 
     @classmethod
-    def of(cls, cfg: ModelConfig, encoder_stack: bool = False) -> InitScales:
+    def of(cls, cfg: ModelConfig, encoder_stack: bool = False, experts: bool = False) -> InitScales:
         """The scales of `cfg`: init_std throughout, except where the norm placement changes it,
         which may depend on the stack (`encoder_stack`: an encoder-decoder's encoder), and times
-        µP's width factor of each kind (model/parametrization.py)."""
+        µP's width factor of each kind (model/parametrization.py; `experts`: of a mixture of
+        experts' FFN, whose inner width is moe_d_ff)."""
         std = cfg.init_std
         if cfg.norm_position == "deepnorm":
             # DeepNet (Wang et al. 2022) shrinks by beta what carries values into the residual
             # stream: the value and FFN input projections and both output projections.
             carry = residual = std * cfg.deepnorm(encoder_stack)[1]
         elif cfg.init_depth_scaled:
-            # GPT-2: the L*2 writes into the residual stream add up, so each shrinks with its stack's depth.
+            # GPT-2: the L*2 writes into the residual stream add up, so each shrinks with its stack's
+            # depth; under depth scaling with the base's, as the branch multiplier does the rest
             depth = cfg.n_encoder_layers if encoder_stack else cfg.n_layers
+            depth = cfg.mup_base_n_layers if cfg.depth_scaling != "none" else depth
             carry, residual = std, std / math.sqrt(2 * depth)
         else:
             carry, residual = std, std
-        width = functools.partial(init_factor, cfg)  # µP's width rule (1.0 at the base shape)
+        width = functools.partial(init_factor, cfg, experts=experts)  # µP's width rule (1.0 at the base shape)
         return cls(
             embedding=std * width("embed"),
             positions=std * width("pos_embed"),
@@ -206,10 +209,19 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 class FFN(nnx.Module):
     """The feed-forward sublayer: a two-layer MLP, or a gated linear unit for the GATED_FFNS."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int | None = None, encoder_stack: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        width: int | None = None,
+        encoder_stack: bool = False,
+        experts: bool = False,
+    ):
+        """`width`: the hidden width (d_ff); `experts`: this FFN is a mixture of experts' shared ones."""
         self.cfg = cfg
         D, F = cfg.d_model, cfg.d_ff if width is None else width
-        scales = InitScales.of(cfg, encoder_stack)
+        scales = InitScales.of(cfg, encoder_stack, experts)
         if cfg.gated_ffn:  # gate and up projection fused: C = 2
             self.w_in = normal_param(rngs, (D, 2, F), ("embed", None, "mlp"), scales.ffn_in, cfg)
             self.b_in = const_param(0.0, (2, F), (None, "mlp"), cfg) if cfg.use_bias else None

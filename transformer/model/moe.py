@@ -36,6 +36,7 @@ from flax import nnx
 
 from transformer.config import ModelConfig
 from transformer.model.layers import ACTIVATIONS, FFN, InitScales, normal_param
+from transformer.model.parametrization import output_multiplier
 
 # Step metrics, and how each reduces over the MoE layers the per-layer value `layer_<name>` every MoE
 # layer sows on every forward pass (the busiest expert of any layer: a collapse anywhere shows). The
@@ -100,7 +101,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         E, D, F = cfg.n_experts, cfg.d_model, cfg.moe_d_ff
-        scales = InitScales.of(cfg)
+        scales = InitScales.of(cfg, experts=True)
         self.router = normal_param(rngs, (D, E), ("embed", None), cfg.init_std, cfg)
         if cfg.gated_ffn:  # gate and up projection fused: C = 2, as in FFN
             self.w_in = normal_param(rngs, (E, D, 2, F), ("experts", "embed", None, "mlp"), scales.ffn_in, cfg)
@@ -109,11 +110,13 @@ class MoE(nnx.Module):
         self.w_out = normal_param(rngs, (E, F, D), ("experts", "mlp", "embed"), scales.ffn_out, cfg)
         shared = cfg.n_shared_experts * F
         # n shared experts are one FFN of n times the width: their hidden units simply add up
-        self.shared = FFN(cfg, rngs=rngs, width=shared) if shared else None
+        self.shared = FFN(cfg, rngs=rngs, width=shared, experts=True) if shared else None
 
     def route(self, x_BxTxD: jax.Array) -> Routing:
         cfg = self.cfg
         logits_BxTxE = jnp.einsum("BTD,DE->BTE", x_BxTxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        if (multiplier := output_multiplier(cfg)) != 1.0:  # µP's readout rule, as the head's
+            logits_BxTxE = logits_BxTxE * multiplier
         if cfg.router == "softmax":
             scores_BxTxE = probs_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
         else:

@@ -1,26 +1,51 @@
-"""How hyperparameters transfer across width: the standard parametrization and µP, in one table.
+"""How hyperparameters transfer across width and depth: the standard parametrization, µP, and
+depth-µP or CompleteP on top of µP, in one table.
 
-µP (Yang et al. 2021, "Tensor Programs V", arXiv 2203.03466; the form of EleutherAI and Cerebras's
-"Practitioner's Guide to the Maximal Update Parameterization", 2024) for Adam-family optimisers.
-Each parameter is of one kind, and each kind's initial standard deviation and learning rate scale
-as a power of its width multiplier m: its fan-in over that of the same parameter at the base shape
-(`ModelConfig.width_multipliers`; every m is 1 at the base shape, where µP is the standard model):
+**Width.** µP (Yang et al. 2021, "Tensor Programs V", arXiv 2203.03466; the form of EleutherAI and
+Cerebras's "Practitioner's Guide to the Maximal Update Parameterization", 2024) for Adam-family
+optimisers. Each parameter is of one kind, and each kind's initial standard deviation and learning
+rate scale as a power of its width multiplier m: its fan-in over that of the same parameter at the
+base shape (`ModelConfig.width_multipliers`; every m is 1 at the base shape, where µP is the
+standard model):
 
-| kind   | parameters                           | fan-in                | init std    | Adam lr    |
-|--------|--------------------------------------|-----------------------|-------------|------------|
-| input  | token and learned position tables    | the vocabulary (fixed)| x 1         | x 1        |
-| hidden | q/k/v, attention output, FFN in, out | d_model, N*H, d_ff    | x m^-1/2    | x m^-1     |
-| output | an untied head                       | d_model               | x 1         | x 1        |
-| vector | norm gains, biases                   | (none)                | x 1         | x 1        |
+| kind   | parameters                              | fan-in                  | init std | Adam lr |
+|--------|-----------------------------------------|-------------------------|----------|---------|
+| input  | token and learned position tables       | the vocabulary (fixed)  | x 1      | x 1     |
+| hidden | q/k/v, attention output, FFN in and out, | d_model, N*H, d_ff,     | x m^-1/2 | x m^-1  |
+|        | each expert's FFN in and out            | moe_d_ff                |          |         |
+| output | an untied head, the MoE router          | d_model                 | x 1      | x 1     |
+| vector | norm gains, biases                      | (none)                  | x 1      | x 1     |
 
-and two forward multipliers: the output logits times 1/m_d_model (`Transformer.logits`: a readout
-of d_model correlated coordinates grows as d_model, not its square root), and the attention
-logits scaled by 1/d_head rather than 1/sqrt(d_head) (`ModelConfig.scale`). Hidden matrices' Adam
-steps shrink as 1/m because an update aligned with its input moves the output by fan-in times a
-coordinate's step; their init shrinks as m^-1/2 so the product stays O(1). Tied embeddings keep
-the input rule: the table and the head share it, and the 1/m logit multiplier makes the shared
-table's readout right. Weight decay rides on the learning rate (AdamW's decoupled decay is
-multiplied by it), as per-parameter-group learning rates do in the µP papers' own code.
+and three forward multipliers: the output logits and the router logits times 1/m_d_model
+(`Transformer.logits`, `MoE.route`: a readout of d_model correlated coordinates into a fixed
+number of outputs grows as d_model, not its square root), and the attention logits scaled by
+1/d_head rather than 1/sqrt(d_head) (`ModelConfig.scale`). Hidden matrices' Adam steps shrink as 1/m
+because an update aligned with its input moves the output by fan-in times a coordinate's step; their
+init shrinks as m^-1/2 so the product stays O(1). Tied embeddings keep the input rule: the table and
+the head share it, and the 1/m logit multiplier makes the shared table's readout right. The router
+is the head's case exactly (d_model in, n_experts out, neither growing with the other), so it gets
+the head's rule; the experts are hidden matrices with their own width, shared experts included. Weight
+decay rides on the learning rate (AdamW's decoupled decay is multiplied by it), as the per-group
+learning rates of µP's own code (`mup.MuAdamW`) do.
+
+**Depth** (`model.depth_scaling`), on top of µP, with m_L = n_layers / mup_base_n_layers and
+alpha 1/2 (depth-µP: Yang et al. 2023, "Tensor Programs VI", arXiv 2310.02244, and Bordelon et al.
+2023) or 1 (CompleteP: Dey et al. 2025, arXiv 2505.01618), as CompleteP's reference code
+(EleutherAI/nanoGPT-mup, branch completep) writes both:
+- every sublayer's output is multiplied by m_L^-alpha before it joins the residual stream
+  (`Block.add_sublayer`), which is why only pre-LN and sandwich blocks take it: post-LN and DeepNorm
+  renormalise the stream itself, which undoes any branch multiplier;
+- GPT-2's depth-scaled init of the residual writes uses the base depth, so the init does not also
+  shrink with depth (the multiplier does that);
+- every parameter inside a block (matrices, norm gains, biases) has its learning rate times
+  m_L^(alpha-1) (1 under CompleteP, m_L^-1/2 under depth-µP); the embeddings, head and final norm
+  keep theirs;
+- Adam's epsilon is times m_d_model^-1 m_L^-alpha (the gradients it is added to shrink so);
+- weight decay no longer rides on the width factor of the learning rate: a hidden matrix decays by
+  lr * weight_decay * m_L^(alpha-1) whatever its width (the reference's weight_decay / width_lr).
+
+Muon (and every optimiser outside config.ADAM_FAMILY) has other rules and is refused under µP; MLA's
+latent projections have none here yet either (config.ModelConfig._resolve_mup_base says so).
 """
 
 from __future__ import annotations
@@ -30,6 +55,9 @@ import dataclasses
 import jax
 
 from transformer.config import ModelConfig
+
+# depth_scaling -> alpha: the power of the depth multiplier each residual branch is divided by
+DEPTH_ALPHA = {"none": 0.0, "depth_mup": 0.5, "complete_p": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,33 +86,77 @@ RULES: dict[str, Scaling] = {
     "w_in": hidden("d_model"),
     "w_out": hidden("d_ff"),
     "head": OUTPUT,
+    "router": OUTPUT,
     **{name: VECTOR for name in ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias")},
 }
+# ...and where a mixture of experts' FFN differs: its matrices' inner width is the experts'.
+EXPERT_RULES: dict[str, Scaling] = {**RULES, "w_out": hidden("moe_d_ff")}
+
+# The parameter tree's block stacks (model/transformer.py); everything else is outside the blocks.
+BLOCK_STACKS = ("blocks", "moe_blocks", "encoder_blocks")
 
 
-def _power(cfg: ModelConfig, rule: Scaling, exponent: float) -> float:
-    """m of `rule`'s fan-in width to `exponent` (1.0 without a width fan-in, and at the base shape)."""
-    return 1.0 if rule.fan_in is None else cfg.width_multipliers[rule.fan_in] ** exponent
+def rule(name: str, experts: bool = False) -> Scaling:
+    """The rule of parameter `name` (`experts`: of a mixture of experts' FFN)."""
+    rules = EXPERT_RULES if experts else RULES
+    if name not in rules:
+        raise ValueError(f"model/parametrization.py has no µP rule for parameter {name!r}")
+    return rules[name]
 
 
-def init_factor(cfg: ModelConfig, name: str) -> float:
+def _power(cfg: ModelConfig, scaling: Scaling, exponent: float) -> float:
+    """m of `scaling`'s fan-in width to `exponent` (1.0 without a width fan-in, and at the base shape)."""
+    return 1.0 if scaling.fan_in is None else cfg.width_multipliers[scaling.fan_in] ** exponent
+
+
+def init_factor(cfg: ModelConfig, name: str, experts: bool = False) -> float:
     """What parameter `name`'s initial standard deviation is multiplied by (1.0 at the base shape)."""
-    return _power(cfg, RULES[name], RULES[name].init)
+    scaling = rule(name, experts)
+    return _power(cfg, scaling, scaling.init)
 
 
 def output_multiplier(cfg: ModelConfig) -> float:
-    """What the output logits are multiplied by: 1/m of d_model under µP, 1.0 at the base shape."""
+    """What the output (and router) logits are multiplied by: 1/m of d_model under µP, 1.0 at the
+    base shape."""
     return 1.0 / cfg.width_multipliers["d_model"]
 
 
-def lr_multipliers(cfg: ModelConfig, params: dict) -> dict:
-    """For a pure-dict parameter tree: each parameter's learning-rate multiplier (1.0 at the base
-    shape and under the standard parametrization)."""
+def branch_multiplier(cfg: ModelConfig) -> float:
+    """What each sublayer's output is multiplied by before the residual add: m_L^-alpha (1.0 without
+    depth scaling, and at the base depth)."""
+    return cfg.depth_multiplier ** -DEPTH_ALPHA[cfg.depth_scaling]
 
-    def multiplier(path, _) -> float:
-        name = path[-1].key
-        if name not in RULES:
-            raise ValueError(f"model/parametrization.py has no µP rule for parameter {name!r}")
-        return _power(cfg, RULES[name], RULES[name].lr)
 
-    return jax.tree_util.tree_map_with_path(multiplier, params)
+@dataclasses.dataclass(frozen=True)
+class OptimizerScaling:
+    """What µP (and depth scaling) change in the optimiser: per-parameter multipliers of the
+    learning rate and of the weight decay's lr * weight_decay (trees like the parameters), and the
+    factor on Adam's epsilon."""
+
+    lr: dict
+    decay: dict
+    eps: float
+
+
+def optimizer_scaling(cfg: ModelConfig, params: dict) -> OptimizerScaling | None:
+    """For a pure-dict parameter tree: the multipliers of `cfg`'s parametrization (None under the
+    standard one; all 1.0 at the base shape)."""
+    if cfg.parametrization != "mup":
+        return None
+    alpha = DEPTH_ALPHA[cfg.depth_scaling]
+    depth_lr = cfg.depth_multiplier ** (alpha - 1.0)
+
+    def multipliers(path) -> tuple[float, float]:
+        """(learning-rate, decay) multiplier of the parameter at `path`."""
+        keys = [str(getattr(k, "key", k)) for k in path]
+        scaling = rule(keys[-1], experts=keys[0] == "moe_blocks" and "ffn" in keys)
+        width = _power(cfg, scaling, scaling.lr)
+        if cfg.depth_scaling == "none":
+            return width, width
+        depth = depth_lr if keys[0] in BLOCK_STACKS else 1.0
+        return width * depth, depth
+
+    lr = jax.tree_util.tree_map_with_path(lambda path, _: multipliers(path)[0], params)
+    decay = jax.tree_util.tree_map_with_path(lambda path, _: multipliers(path)[1], params)
+    eps = 1.0 if cfg.depth_scaling == "none" else cfg.depth_multiplier**-alpha / cfg.width_multipliers["d_model"]
+    return OptimizerScaling(lr, decay, eps)

@@ -16,7 +16,7 @@ from transformer.model.cross_attention import CrossAttention, Memory
 from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param, place
 from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.moe import STEP_METRICS, MoE
-from transformer.model.parametrization import output_multiplier
+from transformer.model.parametrization import branch_multiplier, output_multiplier
 from transformer.model.positions import positions_for
 
 # Statistics by name: scalars as one block sows them, or [L] when stacked over the layers.
@@ -77,16 +77,23 @@ class Block(nnx.Module):
         rate = self.cfg.dropout
         match self.cfg.norm_position:
             case "pre":  # x + f(N(x))
-                return x_BxTxD + dropout(y_BxTxD, rate, key)
+                return x_BxTxD + dropout(self.branch(y_BxTxD), rate, key)
             case "post":  # N(x + f(x)), the original Transformer
                 return norm(x_BxTxD + dropout(y_BxTxD, rate, key))
             case "sandwich":  # x + N2(f(N1(x))), a.k.a. peri-LN
                 assert out_norm is not None, "sandwich blocks have output norms"
-                return x_BxTxD + dropout(out_norm(y_BxTxD), rate, key)
+                return x_BxTxD + dropout(self.branch(out_norm(y_BxTxD)), rate, key)
             case "deepnorm":  # N(alpha*x + f(x)), DeepNet
                 alpha = self.cfg.deepnorm(self.encoder_stack)[0]
                 return norm(alpha * x_BxTxD + dropout(y_BxTxD, rate, key))
         raise AssertionError(self.cfg.norm_position)
+
+    def branch(self, y_BxTxD: jax.Array) -> jax.Array:
+        """A residual branch as it joins the stream: times depth scaling's m_L^-alpha, after any
+        output norm (which would undo it); untouched without depth scaling (post and DeepNorm blocks
+        refuse it: they renormalise the stream)."""
+        multiplier = branch_multiplier(self.cfg)
+        return y_BxTxD if multiplier == 1.0 else y_BxTxD * jnp.asarray(multiplier, y_BxTxD.dtype)
 
     def residual(
         self,

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from transformer import sharding
-from transformer.config import Config, ModelConfig
+from transformer.config import MUP_BASE, Config, ModelConfig
 from transformer.config_loader import from_dict
 from transformer.data import Data, prepare
 from transformer.train.trainer import Trainer, default_controls, encoder_inputs, model_inputs
@@ -46,7 +46,6 @@ QUANTITIES: dict[str, tuple[str, str | None]] = {
     "logits": ("output logits", None),
 }
 FLAT = 0.25  # |slope| below which a quantity is called flat (1: proportional to width, 0.5: its square root)
-MUP_BASE = ("mup_base_d_model", "mup_base_n_heads", "mup_base_head_dim", "mup_base_d_ff")
 RESULT_FILE, FIGURE_FILE = "coord_check.json", "coord_check.png"
 
 
@@ -57,6 +56,8 @@ def coord_check_config(raw: dict[str, Any], width: int, parametrization: str, ba
     model.update(d_model=width, parametrization=parametrization)
     if parametrization == "mup":
         model.update({k: getattr(base, k) for k in MUP_BASE})
+    else:  # depth scaling sits on µP's rules
+        model.pop("depth_scaling", None)
     optim = {**(raw.get("optim") or {}), "warmup_steps": 0, "schedule": "constant"}
     return from_dict({**raw, "model": model, "optim": optim})
 

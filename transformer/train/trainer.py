@@ -22,7 +22,7 @@ from flax import nnx
 
 from transformer import accelerator, sharding
 from transformer.config import Config
-from transformer.model import STEP_METRICS, Transformer, layer_slots, lr_multipliers, placing
+from transformer.model import STEP_METRICS, Transformer, layer_slots, optimizer_scaling, placing
 from transformer.train import loss
 from transformer.train.optim import make_optimizer, schedule
 
@@ -137,8 +137,7 @@ class Trainer:
         self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
         param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
         pure = nnx.to_pure_dict(abstract)
-        mup = lr_multipliers(cfg.model, pure) if cfg.model.parametrization == "mup" else None
-        self.tx = make_optimizer(cfg.optim, cfg.train.steps, pure, mup)
+        self.tx = make_optimizer(cfg.optim, cfg.train.steps, pure, optimizer_scaling(cfg.model, pure))
         self.lr = schedule(cfg.optim, cfg.train.steps)
         replicated = sharding.replicated(mesh)
         opt_shardings = _opt_shardings(self.tx, nnx.to_pure_dict(abstract), param_shardings, replicated)
