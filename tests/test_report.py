@@ -300,14 +300,17 @@ def test_the_best_learning_rate_is_the_parabolas_vertex_and_an_edge_is_said():
     assert best_lr({1e-3: 1.0, 3e-3: 2.0, 1e-2: 3.0}) == (1e-3, True)
 
 
-def _transfer_sweep(tmp_path, optimum: dict[int, float]):
+def _transfer_sweep(tmp_path, optimum: dict[int, float], seed_optima: dict[int, dict[int, float]] | None = None):
     """A sweep of d_model x lr x 2 seeds whose final losses are a parabola in log lr around each
-    width's `optimum` (seed 1 a constant 0.1 above seed 0)."""
+    width's `optimum` (seed 1 a constant 0.1 above seed 0), or each seed's own
+    (`seed_optima[seed][d_model]`)."""
     members = []
+    seeds = (0, 1) if seed_optima is None else tuple(seed_optima)
     for d_model, best in optimum.items():
         for lr in (1e-3, 3e-3, 1e-2, 3e-2):
-            for seed in (0, 1):
-                final = 2.0 + 0.1 * (math.log(lr) - math.log(best)) ** 2 + 0.1 * seed
+            for seed in seeds:
+                centre = best if seed_optima is None else seed_optima[seed][d_model]
+                final = 2.0 + 0.1 * (math.log(lr) - math.log(centre)) ** 2 + 0.1 * seed
                 name = f"d{d_model}-lr{lr}-s{seed}"
                 fake_run(tmp_path, name, lr=lr, seed=seed, d_model=d_model, losses=[5.0, 4.0, final])
                 values = {"model.d_model": d_model, "optim.lr": lr}
@@ -326,7 +329,9 @@ def test_lr_transfer_names_each_widths_best_lr_and_whether_it_moved(tmp_path):
     assert best[32] == (pytest.approx(8e-3), False) and best[64] == (pytest.approx(2.5e-3), False)
     (line,) = transfer_lines(report)
     shift = math.log(2.5e-3 / 8e-3) / math.log(3.0)  # the grid's median step is x3
-    assert line == f"d_model: best lr 0.008 at 32, 0.0025 at 64; the optimum moved by {shift:+.1f} grid steps."
+    # both seeds' curves have the same optimum: a zero-width interval around the shift
+    interval = f"{shift:+.1f} grid steps, 95% interval over 2 seeds {shift:+.1f} to {shift:+.1f}"
+    assert line == f"d_model: best lr 0.008 at 32, 0.0025 at 64; the optimum moved by {interval}."
     assert transfer(report, "model.n_layers") == {}  # not varied
     for run in (
         tmp_path / "d64-lr0.03-s0",
@@ -339,12 +344,34 @@ def test_lr_transfer_names_each_widths_best_lr_and_whether_it_moved(tmp_path):
     assert transfer(partial, "model.d_model") == {}  # one size with three learning rates says nothing
 
 
+def test_lr_transfer_is_judged_by_the_interval_of_the_seeds_own_shifts(tmp_path):
+    from transformer.report.stats import mean_interval, seed_shifts, t95, transfer_lines
+
+    assert t95(1) == 12.706 and t95(30) == 2.042 and abs(t95(31) - 2.0395) < 1e-3 and abs(t95(1000) - 1.9623) < 1e-3
+    mean, lo, hi = mean_interval([1.0, 2.0, 3.0])
+    assert (mean, hi - mean, mean - lo) == (
+        2.0,
+        pytest.approx(4.303 / math.sqrt(3)),
+        pytest.approx(4.303 / math.sqrt(3)),
+    )
+    # three seeds whose optima fall from 32 to 64 by about 1.5, 0.6 and 1.2 grid steps: the mean
+    # moves more than a step, but not every seed does, so the interval leaves it open
+    step = math.log(3.0)
+    optima = {s: {32: 1e-2, 64: 1e-2 * math.exp(-k * step)} for s, k in ((0, 1.5), (1, 0.6), (2, 1.2))}
+    report = _transfer_sweep(tmp_path, {32: 1e-2, 64: 1e-2}, optima)
+    (shifts,) = seed_shifts(report, "model.d_model", step).values()
+    assert shifts == pytest.approx([-1.5, -0.6, -1.2], abs=0.05)
+    (line,) = transfer_lines(report)
+    assert "whether the optimum moved a grid step is open (-1.1 grid steps, 95% interval over 3 seeds" in line, line
+
+
 def test_lr_transfer_that_holds_is_said_to_stay_and_is_drawn_in_the_report(tmp_path):
     report = _transfer_sweep(tmp_path, {32: 4e-3, 64: 4.5e-3})
     from transformer.report.stats import transfer_lines
 
     assert transfer_lines(report) == [
-        "d_model: best lr 0.004 at 32, 0.0045 at 64; the optimum stayed within one grid step (+0.1)."
+        "d_model: best lr 0.004 at 32, 0.0045 at 64; the optimum stayed within one grid step"
+        " (+0.1 grid steps, 95% interval over 2 seeds +0.1 to +0.1)."
     ]
     write_report(tmp_path, log=lambda _: None)
     md = (tmp_path / "report.md").read_text()

@@ -103,8 +103,6 @@ def train_main(argv: list[str] | None = None) -> int:
             cfg = with_pretrained(cfg, args.config, args.overrides)
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
-    if args.coord_check and sweep is not None:
-        _fail("train.py", "--coord-check takes one config: give a member's (DIR/members/NAME.yaml of a run sweep)")
     if sweep is not None:
         return _sweep_main(args, sweep)
     assert cfg is not None
@@ -118,7 +116,9 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.preflight:
         return _preflight_main([("", cfg)], args.topology)
     if args.coord_check:
-        return _coord_check_main(args, cfg)
+        from transformer.config_loader import load_raw
+
+        return _coord_check_main(args, [("", load_raw(args.config, args.overrides), cfg)])
     if args.dry_run:
         return _dry_run(cfg)
     _distributed(args)
@@ -175,25 +175,33 @@ def _coord_widths(args: argparse.Namespace) -> tuple[list[int], int]:
     return sorted(widths), steps
 
 
-def _coord_check_main(args: argparse.Namespace, cfg: Config) -> int:
-    """`--coord-check`: the figure and one line per quantity, in --workdir (default runs/coord-check-<config>-<time>)."""
-    from transformer.config_loader import load_raw
+def _coord_check_main(args: argparse.Namespace, checks: list[tuple[str, dict, Config]]) -> int:
+    """`--coord-check`: the figure and one line per quantity of each (name, raw config, config), in
+    --workdir (default runs/coord-check-<config>-<time>; a sweep's members each in their own
+    folder). A member whose check cannot be built is one line; the others are checked (exit 2)."""
     from transformer.data import DataError
     from transformer.train import run_coord_check, write_coord_check
 
     widths, steps = _coord_widths(args)
-    try:
-        check = run_coord_check(load_raw(args.config, args.overrides), cfg, widths, steps)
-    except ConfigError as e:
-        _fail("train.py", f"--coord-check: {e}")
-    except DataError as e:
-        _fail("train.py", f"data: {e}")
     name = Path(args.config).stem if args.config else "default"
     out = Path(args.workdir) if args.workdir else Path("runs") / f"coord-check-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    for line in check.lines():
-        print(line)
-    print("wrote " + ", ".join(str(p) for p in write_coord_check(check, out)))
-    return 0
+    code = 0
+    for member, raw, cfg in checks:
+        prefix = f"{member}: " if member else ""
+        try:
+            check = run_coord_check(raw, cfg, widths, steps, log=lambda text, p=prefix: print(p + text))
+        except ConfigError as e:
+            if not member:
+                _fail("train.py", f"--coord-check: {e}")
+            print(f"train.py: error: {prefix}--coord-check: {e}", file=sys.stderr)
+            code = EXIT_USAGE
+            continue
+        except DataError as e:
+            _fail("train.py", f"data: {e}")
+        for line in check.lines():
+            print(prefix + line)
+        print(prefix + "wrote " + ", ".join(str(p) for p in write_coord_check(check, out / member if member else out)))
+    return code
 
 
 def _is_file(text: str) -> bool:
@@ -249,6 +257,10 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
         return _sweep_dry_run(sweep)
     if args.preflight:
         return _preflight_main([(m.name, m.config) for m in sweep.members], args.topology)
+    if args.coord_check:
+        from transformer.train import distinct_models
+
+        return _coord_check_main(args, distinct_models([(m.name, m.raw, m.config) for m in sweep.members]))
     workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem
     try:
         if args.print_commands:

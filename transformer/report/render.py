@@ -49,8 +49,10 @@ SENSITIVITY_TITLE = "Learning-rate sensitivity (Wortsman et al. 2023)"
 TRANSFER_TITLE = "Learning-rate transfer"
 TRANSFER_NOTE = (
     "The best learning rate at each model size: the vertex of a parabola in log lr through the lowest "
-    "mean final loss (over seeds, capped at the initial loss) and its two grid neighbours. Under µP "
-    "(Yang et al. 2021) it should not move with width; a move of less than one grid step is not resolved."
+    "mean final loss (over seeds, capped at the initial loss) and its two grid neighbours. Whether it "
+    "moved is judged by each seed's own optimum: the 95% t-interval of the seeds' shifts, in grid steps, "
+    "from the smallest size to the largest. Under µP (Yang et al. 2021) it should not move with width, "
+    "nor under depth-µP or CompleteP with depth; a move of less than one grid step is not resolved."
 )
 SENSITIVITY_NOTE = "mean over the LR grid of min(final loss, initial loss) − best final loss; lower is more stable."
 

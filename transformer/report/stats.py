@@ -479,22 +479,32 @@ def best_lr(points: dict[float, float]) -> tuple[float, bool]:
     return (float(np.exp(np.clip(-b / (2 * a), x[0], x[2]))) if a > 0 else lrs[i]), False
 
 
-def transfer_points(report: Report, size: str) -> dict[tuple, dict[int, dict[float, float]]]:
-    """{setting of the varied keys other than the learning rate and `size`: {size: {lr: loss}}},
-    the loss each run's final loss capped at its initial loss (as the LR sensitivity counts a
-    diverged run), averaged over the finished seeds; {} unless the report varies both keys."""
+def _transfer_cells(report: Report, size: str) -> dict[tuple, dict[int, dict[int, dict[float, float]]]]:
+    """{setting of the varied keys other than the learning rate and `size`: {seed: {size: {lr:
+    loss}}}}, each run's final loss capped at its initial loss (as the LR sensitivity counts a
+    diverged run); {} unless the report varies both keys."""
     if LR_KEY not in report.keys or size not in report.keys:
         return {}
     others = [k for k in report.keys if k not in (LR_KEY, size)]
-    cells: dict[tuple, dict[int, dict[float, list[float]]]] = {}
+    cells: dict[tuple, dict[int, dict[int, dict[float, float]]]] = {}
     for run in report.finished(report.runs):
         setting = tuple(_hashable(run.values.get(k)) for k in others)
-        by_lr = cells.setdefault(setting, {}).setdefault(int(run.values[size]), {})
-        by_lr.setdefault(float(run.values[LR_KEY]), []).append(report.capped_final_loss(run))
-    return {
-        setting: {v: {lr: float(np.mean(ls)) for lr, ls in by_lr.items()} for v, by_lr in sorted(sizes.items())}
-        for setting, sizes in cells.items()
-    }
+        by_size = cells.setdefault(setting, {}).setdefault(run.seed, {})
+        by_size.setdefault(int(run.values[size]), {})[float(run.values[LR_KEY])] = report.capped_final_loss(run)
+    return cells
+
+
+def transfer_points(report: Report, size: str) -> dict[tuple, dict[int, dict[float, float]]]:
+    """{setting: {size: {lr: loss}}} (`_transfer_cells`), the loss averaged over the finished seeds."""
+    out: dict[tuple, dict[int, dict[float, float]]] = {}
+    for setting, seeds in _transfer_cells(report, size).items():
+        pooled: dict[int, dict[float, list[float]]] = {}
+        for by_size in seeds.values():
+            for v, by_lr in by_size.items():
+                for lr, loss in by_lr.items():
+                    pooled.setdefault(v, {}).setdefault(lr, []).append(loss)
+        out[setting] = {v: {lr: float(np.mean(ls)) for lr, ls in by_lr.items()} for v, by_lr in sorted(pooled.items())}
+    return out
 
 
 def transfer(report: Report, size: str) -> Transfer:
@@ -509,24 +519,79 @@ def transfer(report: Report, size: str) -> Transfer:
     return out
 
 
+def seed_shifts(report: Report, size: str, step: float) -> dict[tuple, list[float]]:
+    """For each setting of `transfer`: every seed's own shift, in grid steps of `step` (log lr), of
+    its best learning rate from the smallest to the largest size `transfer` compares (seeds
+    without three finished learning rates at both are left out)."""
+    cells, found = _transfer_cells(report, size), transfer(report, size)
+    out: dict[tuple, list[float]] = {}
+    for setting, sizes in found.items():
+        lo, hi = min(sizes), max(sizes)
+        shifts = []
+        for by_size in cells[setting].values():
+            if all(len(by_size.get(v, {})) > 2 for v in (lo, hi)):
+                shifts.append(math.log(best_lr(by_size[hi])[0] / best_lr(by_size[lo])[0]) / step)
+        out[setting] = shifts
+    return out
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (beyond the table: the normal's
+# 1.96 with the first two Cornish-Fisher terms, within 0.001 of the exact value from 31 on).
+T95: tuple[float, ...] = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179)
+T95 += (2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052)
+T95 += (2.048, 2.045, 2.042)
+
+
+def t95(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with `df` >= 1 degrees of freedom."""
+    if df <= len(T95):
+        return T95[df - 1]
+    z = 1.96
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def mean_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% t-interval of the mean of two or more values."""
+    n, mean = len(values), float(np.mean(values))
+    half = t95(n - 1) * float(np.std(values, ddof=1)) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def _grid_step(report: Report) -> float:
+    """The learning-rate grid's median step in log lr (nan with fewer than two learning rates)."""
+    grid = np.log(sorted({float(r.values[LR_KEY]) for r in report.runs if LR_KEY in r.values}))
+    return float(np.median(np.diff(grid))) if len(grid) > 1 else math.nan
+
+
+def _moved(mean_curve_shift: float, shifts: list[float]) -> str:
+    """Whether the optimum moved a grid step: by the seeds' shifts' 95% interval with two or more
+    seeds, else by the mean curve's shift alone, said to be one seed's."""
+    if len(shifts) < 2:
+        where = "moved by" if abs(mean_curve_shift) >= 1 else "stayed within one grid step:"
+        return f"the optimum {where} {mean_curve_shift:+.1f} grid steps (one seed, no interval)"
+    mean, lo, hi = mean_interval(shifts)
+    interval = f"{mean:+.1f} grid steps, 95% interval over {len(shifts)} seeds {lo:+.1f} to {hi:+.1f}"
+    if lo >= 1 or hi <= -1:
+        return f"the optimum moved by {interval}"
+    if -1 < lo and hi < 1:
+        return f"the optimum stayed within one grid step ({interval})"
+    return f"whether the optimum moved a grid step is open ({interval})"
+
+
 def transfer_lines(report: Report) -> list[str]:
-    """One line per size key and setting: the best learning rate at each size, and whether the
-    optimum moved between the smallest and the largest size by a grid step or more."""
+    """One line per size key and setting: the best learning rate at each size (of the loss averaged
+    over seeds), and whether the optimum moved between the smallest and the largest size by a grid
+    step or more, judged by the interval of the seeds' own shifts."""
     lines = []
+    step = _grid_step(report)
     for size in SIZE_KEYS:
         others = [k for k in report.keys if k not in (LR_KEY, size)]
-        grid = np.log(sorted({float(r.values[LR_KEY]) for r in report.runs if LR_KEY in r.values}))
-        step = float(np.median(np.diff(grid))) if len(grid) > 1 else math.nan
+        shifts = seed_shifts(report, size, step)
         for setting, sizes in transfer(report, size).items():
             label = ", ".join(f"{short_key(k)}={format_value(v)}" for k, v in zip(others, setting))
             best = ", ".join(f"{lr:.3g} at {format_value(v)}" for v, (lr, _) in sizes.items())
             first, last = sizes[min(sizes)][0], sizes[max(sizes)][0]
-            shift = math.log(last / first) / step
-            moved = (
-                f"the optimum moved by {shift:+.1f} grid steps"
-                if abs(shift) >= 1
-                else f"the optimum stayed within one grid step ({shift:+.1f})"
-            )
+            moved = _moved(math.log(last / first) / step, shifts[setting])
             edges = [format_value(v) for v, (_, edge) in sizes.items() if edge]
             edge = f"; at the grid's edge at {', '.join(edges)}, so it may lie beyond" if edges else ""
             lines.append(f"{short_key(size)}{' (' + label + ')' if label else ''}: best lr {best}; {moved}{edge}.")

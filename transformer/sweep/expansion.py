@@ -55,6 +55,9 @@ class Member:
     labels: dict[str, Any]  # zip labels (undotted keys), for names and the report
     seed: int
     config: Config
+    # the config as written, before the config derived its sizes (what --coord-check re-derives at
+    # each width from)
+    raw: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +234,7 @@ def _member(raw: dict[str, Any], assigned: dict, labels: set[str], seed: int | N
         raise SweepError(e.key, f"{e.message} (in sweep member {_default_name(assigned)}{suffix})") from None
     variant = _default_name(assigned) if template is None else _safe(_fill_template(template, _lookup(cfg, assigned)))
     labelled = {k: v for k, v in assigned.items() if k in labels}
-    return Member(variant + suffix, variant, values, labelled, cfg.train.seed, cfg)
+    return Member(variant + suffix, variant, values, labelled, cfg.train.seed, cfg, member_raw)
 
 
 def _check_name(name: str, assigned: dict, names: dict[str, dict]) -> None:

@@ -8,7 +8,8 @@ those above it in this list (or none of them):
 - `preflight.py`: the train step compiled ahead of time (local devices or a TPU topology), its
   memory per device and FLOPs;
 - `coordcheck.py`: `--coord-check`, the model trained a few steps at a series of widths and the
-  RMS of its activations against width (µP's check, under the standard parametrization beside it);
+  RMS of its activations against width (µP's check, under the standard parametrization beside it;
+  a sweep's distinct models each once);
 - `monitor.py`: spike and divergence detection, the recovery state replayed from events, faults;
 - `metrics.py`, `feed.py`, `signals.py`, `profile.py`, `wandb_sink.py`: the throughput/MFU meter
   and progress bar, batches made ahead on a thread, SIGTERM/SIGINT as a request to stop, the
@@ -26,7 +27,13 @@ from typing import TYPE_CHECKING
 from transformer.lazy import exports
 
 if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ imports each on first use
-    from transformer.train.coordcheck import COORD_STEPS, COORD_WIDTHS, run_coord_check, write_coord_check  # noqa: F401
+    from transformer.train.coordcheck import (  # noqa: F401
+        COORD_STEPS,
+        COORD_WIDTHS,
+        distinct_models,
+        run_coord_check,
+        write_coord_check,
+    )
     from transformer.train.job import run  # noqa: F401
     from transformer.train.monitor import MonitorStop  # noqa: F401
     from transformer.train.preflight import OutOfMemory, run_preflight  # noqa: F401
@@ -37,7 +44,7 @@ if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ import
 __all__, __getattr__ = exports(
     __name__,
     {
-        "coordcheck": ("COORD_STEPS", "COORD_WIDTHS", "run_coord_check", "write_coord_check"),
+        "coordcheck": ("COORD_STEPS", "COORD_WIDTHS", "distinct_models", "run_coord_check", "write_coord_check"),
         "job": ("run",),
         "monitor": ("MonitorStop",),
         "preflight": ("OutOfMemory", "run_preflight"),

@@ -129,6 +129,21 @@ class CoordCheck:
         return json.dumps({"widths": self.widths, "steps": self.steps, "rms": self.rms, "slopes": self.slopes()})
 
 
+def distinct_models(members: list[tuple[str, dict, Config]]) -> list[tuple[str, dict, Config]]:
+    """Of a sweep's (name, raw config, config) members, the first of each model the check would
+    train: members differing only in d_model (which the check varies itself), µP's base shape, or
+    outside the model section (learning rate, seed) check the same thing once."""
+    seen: set[str] = set()
+    kept = []
+    for name, raw, cfg in members:
+        model = {k: v for k, v in (raw.get("model") or {}).items() if k != "d_model" and k not in MUP_BASE}
+        key = json.dumps(model, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            kept.append((name, raw, cfg))
+    return kept
+
+
 def run_coord_check(raw: dict[str, Any], cfg: Config, widths: list[int], steps: int, log=print) -> CoordCheck:
     """The check of `cfg` (resolved from `raw`): its parametrization and, beside it, the standard one."""
     kinds = [cfg.model.parametrization] + (["standard"] if cfg.model.parametrization != "standard" else [])
