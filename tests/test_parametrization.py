@@ -339,7 +339,6 @@ def _train(*args: str):
         (["--coord-check", "--coord-widths", "64"], "--coord-widths"),
         (["--coord-check", "--coord-steps", "0"], "--coord-steps"),
         (["--coord-check", "--coord-widths", "60,64", "model.n_heads=8"], "model.n_heads"),
-        (["configs/ablations/norm_placement.yaml", "--coord-check"], "--coord-check takes one config"),
     ],
 )
 @pytest.mark.slow
@@ -367,3 +366,26 @@ def test_coord_check_writes_its_figure_and_a_line_per_quantity(tmp_path):
     saved = json.loads((tmp_path / "cc" / "coord_check.json").read_text())
     assert saved["widths"] == [32, 64] and set(saved["slopes"]) == {"mup", "standard"}
     assert (tmp_path / "cc" / "coord_check.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_coord_check_on_a_sweep_checks_each_distinct_model_once(tmp_path):
+    """Four members, two models: the learning rate is not the model, so each parametrization is checked once."""
+    from conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "docs.jsonl", seed=0)
+    (tmp_path / "sweep.yaml").write_text(
+        "sweep:\n  grid:\n    optim.lr: [1.0e-3, 1.0e-2]\n"
+        "  zip:\n    - model.parametrization: [standard, mup]\n      model.mup_base_d_model: [null, 32]\n"
+        '  name: "{model.parametrization}-lr{optim.lr}"\n'
+    )
+    args = [str(tmp_path / "sweep.yaml"), "--coord-check", "--coord-widths", "32,64", "--coord-steps", "1"]
+    args += ["--workdir", str(tmp_path / "cc"), f"data.source=files:{corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+    args += ["data.seq_len=32", "model.n_layers=1", "train.batch_size=4"]
+    result = _train(*args)
+    assert result.returncode == 0, result.stderr
+    verdicts = [line for line in result.stdout.splitlines() if "of log RMS against log width" in line]
+    # the standard member: its own 6 lines; the µP member: 6 for µP, 6 for the standard one beside it
+    assert {line.split(":")[0] for line in verdicts} == {"standard-lr0.001", "mup-lr0.001"} and len(verdicts) == 18
+    assert sorted(p.name for p in (tmp_path / "cc").iterdir()) == ["mup-lr0.001", "standard-lr0.001"]
+    assert (tmp_path / "cc" / "mup-lr0.001" / "coord_check.json").is_file()
