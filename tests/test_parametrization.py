@@ -319,6 +319,32 @@ def test_the_coordinate_check_is_flat_in_width_under_mup_and_grows_under_standar
     assert len(check.lines()) == 12 and len(check.rms["mup"]["residual"]) == 4
 
 
+@pytest.mark.slow
+def test_the_depth_check_is_flat_in_depth_under_complete_p_where_the_residual_grows_without(tmp_path):
+    """`--coord-depths`'s measurement at depths 2-8 (width 32, 3 steps at lr 1e-2), µP at its base
+    width: without depth scaling Adam moves every block's output by about the learning rate, so the
+    residual stream grows with depth (slope +0.62 at depths 2-16 when this was written); CompleteP's
+    1/L branches keep it and the output logits flat (-0.10 and +0.01 at depths 2-16)."""
+    from conftest import write_corpus
+
+    from transformer.config_loader import load_raw
+    from transformer.train.coordcheck import run_coord_check
+
+    corpus = write_corpus(tmp_path / "docs.jsonl", seed=0)
+    overrides = [f"data.source=files:{corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32"]
+    overrides += ["model.d_model=32", "model.n_heads=4", "model.ffn_multiple=16", "train.batch_size=8"]
+    overrides += ["optim.lr=1e-2", "optim.weight_decay=0.0", "model.parametrization=mup"]
+    overrides += ["model.depth_scaling=complete_p", "model.n_layers=2"]
+    check = run_coord_check(
+        load_raw(None, overrides), load_config(None, overrides), [2, 4, 8], steps=3, log=lambda _: None, axis="n_layers"
+    )
+    slopes = check.slopes()
+    assert set(slopes) == {"complete_p", "none"} and check.axis == "n_layers"
+    assert all(abs(slopes["complete_p"][q]) < 0.25 for q in ("residual", "logits")), slopes["complete_p"]
+    assert slopes["none"]["residual"] > 0.25, slopes["none"]
+    assert "against log depth" in check.lines()[0]
+
+
 def _train(*args: str):
     import os
     import subprocess
@@ -364,7 +390,7 @@ def test_coord_check_writes_its_figure_and_a_line_per_quantity(tmp_path):
     import json
 
     saved = json.loads((tmp_path / "cc" / "coord_check.json").read_text())
-    assert saved["widths"] == [32, 64] and set(saved["slopes"]) == {"mup", "standard"}
+    assert saved["axis"] == "d_model" and saved["sizes"] == [32, 64] and set(saved["slopes"]) == {"mup", "standard"}
     assert (tmp_path / "cc" / "coord_check.png").stat().st_size > 10_000
 
 

@@ -52,7 +52,13 @@ def train_parser() -> argparse.ArgumentParser:
         help="train a few steps at several widths and say which activations grow with width (µP's check)",
     )
     p.add_argument("--coord-widths", default=None, metavar="W,W,...", help="with --coord-check: the widths (d_model)")
-    p.add_argument("--coord-steps", type=int, default=None, metavar="N", help="with --coord-check: steps at each width")
+    p.add_argument(
+        "--coord-depths",
+        default=None,
+        metavar="L,L,...",
+        help="with --coord-check: check across these depths (n_layers) instead of widths (depth scaling's check)",
+    )
+    p.add_argument("--coord-steps", type=int, default=None, metavar="N", help="with --coord-check: steps at each size")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="sweeps: run N members at once")
     p.add_argument("--print-commands", action="store_true", help="sweeps: print each member's command, run none")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
@@ -160,19 +166,28 @@ def _preflight_main(configs: list[tuple[str, Config]], topology: str | None) -> 
     return code
 
 
-def _coord_widths(args: argparse.Namespace) -> tuple[list[int], int]:
+def _coord_sizes(args: argparse.Namespace) -> tuple[str, list[int], int]:
+    """(the axis --coord-check varies, its sizes, the steps at each), from --coord-widths or
+    --coord-depths and --coord-steps."""
     from transformer.train import COORD_STEPS, COORD_WIDTHS
 
+    if args.coord_widths is not None and args.coord_depths is not None:
+        _fail("train.py", "--coord-widths and --coord-depths: a check varies one of them, give one")
+    flag, text = (
+        ("--coord-depths", args.coord_depths)
+        if args.coord_depths is not None
+        else ("--coord-widths", args.coord_widths)
+    )
     try:
-        widths = [int(w) for w in args.coord_widths.split(",")] if args.coord_widths else list(COORD_WIDTHS)
+        sizes = [int(w) for w in text.split(",")] if text else list(COORD_WIDTHS)
     except ValueError:
-        _fail("train.py", f"--coord-widths: {args.coord_widths!r} is not a comma-separated list of widths")
-    if len(widths) < 2 or min(widths) < 1 or len(set(widths)) != len(widths):
-        _fail("train.py", f"--coord-widths: give two or more different positive widths, got {args.coord_widths}")
+        _fail("train.py", f"{flag}: {text!r} is not a comma-separated list of sizes")
+    if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        _fail("train.py", f"{flag}: give two or more different positive sizes, got {text}")
     steps = COORD_STEPS if args.coord_steps is None else args.coord_steps
     if steps < 1:
         _fail("train.py", f"--coord-steps: must be >= 1, got {steps}")
-    return sorted(widths), steps
+    return ("n_layers" if flag == "--coord-depths" else "d_model"), sorted(sizes), steps
 
 
 def _coord_check_main(args: argparse.Namespace, checks: list[tuple[str, dict, Config]]) -> int:
@@ -182,14 +197,14 @@ def _coord_check_main(args: argparse.Namespace, checks: list[tuple[str, dict, Co
     from transformer.data import DataError
     from transformer.train import run_coord_check, write_coord_check
 
-    widths, steps = _coord_widths(args)
+    axis, sizes, steps = _coord_sizes(args)
     name = Path(args.config).stem if args.config else "default"
     out = Path(args.workdir) if args.workdir else Path("runs") / f"coord-check-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     code = 0
     for member, raw, cfg in checks:
         prefix = f"{member}: " if member else ""
         try:
-            check = run_coord_check(raw, cfg, widths, steps, log=lambda text, p=prefix: print(p + text))
+            check = run_coord_check(raw, cfg, sizes, steps, log=lambda text, p=prefix: print(p + text), axis=axis)
         except ConfigError as e:
             if not member:
                 _fail("train.py", f"--coord-check: {e}")
@@ -260,7 +275,8 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     if args.coord_check:
         from transformer.train import distinct_models
 
-        return _coord_check_main(args, distinct_models([(m.name, m.raw, m.config) for m in sweep.members]))
+        axis = _coord_sizes(args)[0]
+        return _coord_check_main(args, distinct_models([(m.name, m.raw, m.config) for m in sweep.members], axis))
     workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem
     try:
         if args.print_commands:

@@ -7,9 +7,10 @@ those above it in this list (or none of them):
 - `validation.py`: validation on the host, each source's windows through the eval step;
 - `preflight.py`: the train step compiled ahead of time (local devices or a TPU topology), its
   memory per device and FLOPs;
-- `coordcheck.py`: `--coord-check`, the model trained a few steps at a series of widths and the
-  RMS of its activations against width (µP's check, under the standard parametrization beside it;
-  a sweep's distinct models each once);
+- `coordcheck.py`: `--coord-check`, the model trained a few steps at a series of widths (or
+  depths) and the RMS of its activations against size (µP's check, under the standard
+  parametrization beside it; depth scaling's, without it beside it; a sweep's distinct models each
+  once);
 - `monitor.py`: spike and divergence detection, the recovery state replayed from events, faults;
 - `metrics.py`, `feed.py`, `signals.py`, `profile.py`, `wandb_sink.py`: the throughput/MFU meter
   and progress bar, batches made ahead on a thread, SIGTERM/SIGINT as a request to stop, the
