@@ -30,6 +30,8 @@ VARIANTS = {
     "head-dim-6": dict(d_model=24),  # sqrt(6)/6 is not the float 6**-0.5: the scale must be the base's
     "moe-shared-every-2": dict(n_experts=4, top_k=2, n_shared_experts=1, moe_every=2),
     "moe-sigmoid-dropless": dict(n_experts=4, router="sigmoid", capacity_factor=None, moe_d_ff=48),
+    "mla": dict(attention="mla"),
+    "mla-deepnorm-untied": dict(attention="mla", norm_position="deepnorm", tie_embeddings=False),
     # depth scaling at the base depth (the model's own by default)
     "complete-p": dict(depth_scaling="complete_p"),
     "depth-mup-sandwich-moe": dict(depth_scaling="depth_mup", norm_position="sandwich", n_experts=4),
@@ -106,7 +108,7 @@ def test_init_scales_learning_rates_and_multipliers_are_the_closed_forms():
     m = tiny(d_model=128, n_layers=3, ffn="gelu", parametrization="mup", mup_base_d_model=32)
     # n_heads 4 at both: head_dim 32 against 8; d_ff 4*D against 4*32 (both rounded to 16s: exact)
     assert (m.mup_base_n_heads, m.mup_base_head_dim, m.mup_base_d_ff) == (4, 8, 128)
-    widths = {"d_model": 4.0, "attention": 4.0, "d_ff": 4.0, "moe_d_ff": 1.0}  # dense: no experts to scale
+    widths = {"d_model": 4.0, "attention": 4.0, "d_ff": 4.0, "moe_d_ff": 1.0, "kv_lora_rank": 1.0}  # no experts, no MLA
     assert m.width_multipliers == widths
     std, residual = 0.02, 0.02 / np.sqrt(2 * 3)
     scales = InitScales.of(m)
@@ -132,8 +134,25 @@ def test_the_fan_ins_follow_heads_and_ffn_width_each_on_its_own():
     )
     # head_dim and d_ff are written, so the base keeps them; only d_model and the heads scale
     assert (m.mup_base_head_dim, m.mup_base_d_ff) == (16, 96)
-    assert m.width_multipliers == {"d_model": 2.0, "attention": 4.0, "d_ff": 1.0, "moe_d_ff": 1.0}
+    assert m.width_multipliers == {"d_model": 2.0, "attention": 4.0, "d_ff": 1.0, "moe_d_ff": 1.0, "kv_lora_rank": 1.0}
     assert m.scale == 16**-0.5
+
+
+def test_mlas_latent_projections_follow_their_fan_ins_and_its_scale_is_one_over_d():
+    m = tiny(d_model=64, attention="mla", parametrization="mup", mup_base_d_model=32)
+    # 4 heads of 16 against the base's 4 of 8: every derived MLA size doubles with the head dim
+    assert (m.kv_lora_rank, m.mup_base_mla["kv_lora_rank"]) == (64, 32) and m.width_multipliers["kv_lora_rank"] == 2.0
+    lr = {
+        "/".join(str(k.key) for k in path): v
+        for path, v in jax.tree_util.tree_flatten_with_path(optimizer_scaling(m, _params(m)).lr)[0]
+    }
+    for name in ("wq", "wkv_down", "wk_rope", "wk_up", "wv_up", "out"):
+        assert lr[f"blocks/attn/{name}"] == 0.5, name
+    assert lr["blocks/attn/kv_latent_norm/scale"] == 1.0
+    scales = InitScales.of(m)
+    assert scales.kv_up == pytest.approx(0.02 / np.sqrt(2)) and scales.v_up == pytest.approx(0.02 / np.sqrt(2))
+    # queries and keys of 16 + 8 against the base's 8 + 4: 1/d, equal to the base's 1/sqrt(12) at the base
+    assert m.qk_head_dim == 24 and m.scale == pytest.approx(12**-0.5 * 12 / 24)
 
 
 def test_per_parameter_multipliers_scale_the_step_its_weight_decay_and_adams_epsilon():
@@ -259,7 +278,9 @@ def test_experts_and_the_router_follow_their_own_widths():
             ["model.parametrization=mup", "model.depth_scaling=complete_p", "model.mup_base_n_layers=0"],
             "model.mup_base_n_layers",
         ),
-        (["model.parametrization=mup", "model.attention=mla"], "model.attention"),
+        (["model.parametrization=mup", "model.attention=mla", "model.kv_lora_rank=16"], "model.kv_lora_rank"),
+        (["model.parametrization=mup", "model.attention=mla", "model.qk_rope_head_dim=8"], "model.qk_rope_head_dim"),
+        (["model.parametrization=mup", "model.attention=mla", "model.q_lora_rank=16"], "model.q_lora_rank"),
         (["model.parametrization=mup", "optim.name=sgd"], "optim.name"),
         (["model.parametrization=mup", "optim.name=adafactor"], "optim.name"),
         (["model.mup_base_d_model=64"], "model.mup_base_d_model"),

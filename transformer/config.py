@@ -108,6 +108,19 @@ def _check_ints(section: Any) -> None:
             )
 
 
+def mla_sizes(head_dim: int, n_heads: int) -> dict[str, int]:
+    """MLA's sizes derived from the head dim as in DeepSeek-V2: d_h for the rest of each query/key
+    head and for values, d_h/2 (even) for the rope part, a latent of 4*d_h (at most what it is
+    projected up to)."""
+    h = head_dim
+    return {
+        "qk_nope_head_dim": h,
+        "qk_rope_head_dim": max(2, h // 4 * 2),
+        "v_head_dim": h,
+        "kv_lora_rank": min(4 * h, 2 * n_heads * h),
+    }
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -243,7 +256,11 @@ class ModelConfig:
             for name in MUP_BASE:
                 _check(getattr(self, name) is None, name, "sets µP's base shape: only with model.parametrization=mup")
             return
-        _check(self.attention == "mha", "attention", "µP has no rule here for MLA's latent projections yet: use mha")
+        _check(
+            self.attention != "mla" or self.q_lora_rank is None,
+            "q_lora_rank",
+            "under µP a written query latent stays fixed as the model widens, which µP has no rule for here: leave it null (full-rank queries)",
+        )
         if self.mup_base_d_model is None:
             object.__setattr__(self, "mup_base_d_model", self.d_model)
         if self.mup_base_n_heads is None:
@@ -391,15 +408,21 @@ class ModelConfig:
             for name in MLA_SIZES:
                 _check(getattr(self, name) is None, name, "is an MLA size: set model.attention=mla, or leave it out")
             return
-        h = self.head_dim
-        for name, default in (("qk_nope_head_dim", h), ("qk_rope_head_dim", max(2, h // 4 * 2)), ("v_head_dim", h)):
+        derived = mla_sizes(self.head_dim, self.n_heads)
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
+                object.__setattr__(self, name, derived[name])
         for name in (*MLA_SIZES[2:], *MLA_SIZES[:2]):  # the head sizes first: the rank's default needs them
             if name == "kv_lora_rank" and self.kv_lora_rank is None:
-                object.__setattr__(self, name, min(4 * h, self.mla_kv_width))
+                object.__setattr__(self, name, min(4 * self.head_dim, self.mla_kv_width))
             value = getattr(self, name)
             _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        for name, size in derived.items():  # µP's base derives its sizes so: a written one would not scale
+            _check(
+                self.parametrization != "mup" or getattr(self, name) == size,
+                name,
+                f"under µP MLA's sizes scale with head_dim as derived ({size} here): leave it null, a written size stays fixed as the model widens",
+            )
         _check(
             self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"RoPE needs an even size, got {self.qk_rope_head_dim}"
         )
@@ -583,26 +606,38 @@ class ModelConfig:
         return self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
 
     @property
+    def mup_base_mla(self) -> dict[str, int]:
+        """MLA's sizes at µP's base shape: derived from its head_dim, as µP's own are (`_check_mla`)."""
+        return mla_sizes(self.mup_base_head_dim, self.mup_base_n_heads)
+
+    @property
     def scale(self) -> float:
         """The attention logits' scale: 1/sqrt(qk_head_dim), or attn_scale. Under µP 1/d instead of
         1/sqrt(d) (keys and queries become correlated in training, so their dot product grows as d),
         written as the base's scale times base/d so that at the base shape it is the same float."""
-        mup = self.parametrization == "mup"  # µP takes MHA only, whose qk_head_dim is head_dim
-        head_dim = self.mup_base_head_dim if mup else self.qk_head_dim
-        base = self.attn_scale if self.attn_scale is not None else head_dim**-0.5
-        return base * (head_dim / self.head_dim) if mup else base
+        if self.parametrization != "mup":
+            return self.attn_scale if self.attn_scale is not None else self.qk_head_dim**-0.5
+        if self.attention == "mla":
+            mla = self.mup_base_mla
+            base_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        else:
+            base_dim = self.mup_base_head_dim
+        base = self.attn_scale if self.attn_scale is not None else base_dim**-0.5
+        return base * (base_dim / self.qk_head_dim)
 
     @property
     def width_multipliers(self) -> dict[str, float]:
         """µP's m of each width a fan-in can have: this model's over the base's (all 1 at the base
         shape and under the standard parametrization), keyed as model/parametrization.py's table."""
         if self.parametrization != "mup":
-            return {"d_model": 1.0, "attention": 1.0, "d_ff": 1.0, "moe_d_ff": 1.0}
+            return {"d_model": 1.0, "attention": 1.0, "d_ff": 1.0, "moe_d_ff": 1.0, "kv_lora_rank": 1.0}
+        # the attention output's fan-in: every head's value (MLA's v_head_dim is head_dim under µP)
         return {
             "d_model": self.d_model / self.mup_base_d_model,
             "attention": (self.n_heads * self.head_dim) / (self.mup_base_n_heads * self.mup_base_head_dim),
             "d_ff": self.d_ff / self.mup_base_d_ff,
             "moe_d_ff": self.moe_d_ff / self.mup_base_moe_d_ff if self.n_experts else 1.0,
+            "kv_lora_rank": self.kv_lora_rank / self.mup_base_mla["kv_lora_rank"] if self.attention == "mla" else 1.0,
         }
 
     @property

@@ -70,6 +70,8 @@ class InitScales:
     qkv: float  # queries and keys; values are drawn with it, then rescaled to `value`
     value: float
     attn_out: float
+    kv_up: float  # MLA's keys up from its latent (queries and the latent itself are drawn as qkv)
+    v_up: float  # MLA's values up from its latent
     ffn_in: float
     ffn_out: float
     head: float  # an untied output head
@@ -100,6 +102,8 @@ class InitScales:
             qkv=std * width("qkv"),
             value=carry * width("qkv"),
             attn_out=residual * width("out"),
+            kv_up=std * width("wk_up"),
+            v_up=carry * width("wv_up"),
             ffn_in=carry * width("w_in"),
             ffn_out=residual * width("w_out"),
             head=std * width("head"),

@@ -59,8 +59,8 @@ class MultiHeadLatentAttention(Attention):
         self.wkv_down = normal_param(rngs, (D, R), ("embed", "latent"), scales.qkv, cfg)
         self.kv_latent_norm = Norm(cfg, dim=R, axis_name="latent", kind="rmsnorm")
         self.wk_rope = normal_param(rngs, (D, E), ("embed", "head_dim"), scales.qkv, cfg)
-        self.wk_up = normal_param(rngs, (R, N, A), ("latent", "heads", "head_dim"), scales.qkv, cfg)
-        self.wv_up = normal_param(rngs, (R, N, Y), ("latent", "heads", "head_dim"), scales.value, cfg)
+        self.wk_up = normal_param(rngs, (R, N, A), ("latent", "heads", "head_dim"), scales.kv_up, cfg)
+        self.wv_up = normal_param(rngs, (R, N, Y), ("latent", "heads", "head_dim"), scales.v_up, cfg)
         self.out = normal_param(rngs, (N, Y, D), ("heads", "head_dim", "embed"), scales.attn_out, cfg)
         self.out_bias = None  # the config refuses biases with MLA
 

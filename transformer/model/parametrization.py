@@ -12,7 +12,8 @@ standard model):
 |--------|-----------------------------------------|-------------------------|----------|---------|
 | input  | token and learned position tables       | the vocabulary (fixed)  | x 1      | x 1     |
 | hidden | q/k/v, attention output, FFN in and out, | d_model, N*H, d_ff,     | x m^-1/2 | x m^-1  |
-|        | each expert's FFN in and out            | moe_d_ff                |          |         |
+|        | each expert's FFN in and out, MLA's      | moe_d_ff, kv_lora_rank  |          |         |
+|        | projections to and from its latent      |                         |          |         |
 | output | an untied head, the MoE router          | d_model                 | x 1      | x 1     |
 | vector | norm gains, biases                      | (none)                  | x 1      | x 1     |
 
@@ -44,8 +45,10 @@ alpha 1/2 (depth-µP: Yang et al. 2023, "Tensor Programs VI", arXiv 2310.02244, 
 - weight decay no longer rides on the width factor of the learning rate: a hidden matrix decays by
   lr * weight_decay * m_L^(alpha-1) whatever its width (the reference's weight_decay / width_lr).
 
-Muon (and every optimiser outside config.ADAM_FAMILY) has other rules and is refused under µP; MLA's
-latent projections have none here yet either (config.ModelConfig._resolve_mup_base says so).
+MLA's sizes must be the ones derived from head_dim (`config.mla_sizes`), so that its latent and
+head widths scale with the model: a written size, or a low-rank query latent, would stay fixed as
+the model widens (a finite width, which is not a hidden matrix's rule), and is refused in one line.
+Muon (and every optimiser outside config.ADAM_FAMILY) has other rules and is refused under µP.
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ RULES: dict[str, Scaling] = {
     "pos_embed": INPUT,
     "qkv": hidden("d_model"),
     "out": hidden("attention"),
+    # MLA: full-rank queries, the latent and the shared rope key from d_model, keys and values up from the latent
+    "wq": hidden("d_model"),
+    "wkv_down": hidden("d_model"),
+    "wk_rope": hidden("d_model"),
+    "wk_up": hidden("kv_lora_rank"),
+    "wv_up": hidden("kv_lora_rank"),
     "w_in": hidden("d_model"),
     "w_out": hidden("d_ff"),
     "head": OUTPUT,
