@@ -26,6 +26,7 @@ COMPANIONS = {
     "model.attention_pattern": ["model.window=4"],
     "model.attention_impl=cudnn": ["model.dtype=bfloat16"],  # the schema refuses cudnn in float32
     "faults.corrupt_kind": ["faults.corrupt_step=1"],  # the kind is used only when the fault fires
+    "model.depth_scaling": ["model.parametrization=mup"],  # depth scaling sits on µP's width rules
     # an objective trains its family, on text or on pairs
     "data.objective=mlm": ["model.arch=encoder"],
     "data.objective=span": ["model.arch=encoder_decoder"],
