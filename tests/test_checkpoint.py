@@ -607,3 +607,21 @@ def test_eval_falls_back_from_damaged_parameters(ten, tmp_path, how):
     lines = named.stderr.strip().splitlines()
     assert len(lines) == 1 and "step 10" in lines[0] and "damaged" in lines[0], named.stderr[-3000:]
     assert (workdir / "checkpoints" / "10").is_dir()  # a reader sets nothing aside
+
+
+def test_a_checkpoint_of_another_state_tree_is_said_to_be_one_not_damaged_and_kept(tmp_path):
+    """Intact files of another version's (or config's) state tree: the line says so, nothing is set aside."""
+    from transformer.config import CheckpointConfig
+    from transformer.io.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path, CheckpointConfig())
+    state = {"params": {"w": jax.numpy.ones((2, 3))}, "opt": ({"mu": jax.numpy.zeros((2, 3))},)}
+    ckpt.save(4, state, {}, wait=True)
+    f32 = jax.numpy.float32
+    other = {"params": {"w": jax.ShapeDtypeStruct((2, 3), f32)}, "opt": ({"mu": jax.ShapeDtypeStruct((2, 3), f32)}, {})}
+    lines: list[str] = []
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        ckpt.restore(other, log=lines.append)
+    assert len(lines) == 1 and "holds another state tree" in lines[0] and "damaged" not in lines[0], lines
+    assert ckpt.steps() == [4] and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4"]
+    ckpt.close()

@@ -175,7 +175,7 @@ class Checkpointer:
                 if on_bad is not None:
                     on_bad(s, why)
                 if log is not None and jax.process_index() == 0:
-                    log(f"the checkpoint of step {s} is damaged ({why}); trying the one before it")
+                    log(f"the checkpoint of step {s} {_unusable(why)}; trying the one before it")
                 continue
             self.set_aside([b for b in bad if b > s], "corrupt")
             return s, restored["state"], restored["meta"]
@@ -252,6 +252,15 @@ class Checkpointer:
             self.manager.close()
         except Exception as e:
             self._fail(self.in_flight, e)
+
+
+def _unusable(why: str) -> str:
+    """What is wrong with a checkpoint that did not restore: intact files whose state tree is not
+    the one this config trains (another version of the code, or another model or optimiser) are not
+    damaged, and saying so would send the user looking for a disk fault."""
+    if "tree structures do not match" in why:
+        return f"holds another state tree than this config's model and optimiser (written by another version or config?) ({why})"
+    return f"is damaged ({why})"
 
 
 class _OrbaxErrors(logging.Filter):
