@@ -67,14 +67,21 @@ def straight(corpus, cache, tmp_path_factory):
     return workdir
 
 
+# µP with CompleteP away from its base shape (twice the base width and depth): the per-parameter
+# multipliers, the branch multiplier and the optimiser chain they make resume like the standard ones
+MUP_AWAY = ("model.parametrization=mup", "model.mup_base_d_model=16", "model.depth_scaling=complete_p")
+MUP_AWAY += ("model.mup_base_n_layers=1",)
+
+
 @pytest.mark.slow
-def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path):
+@pytest.mark.parametrize("extra", [(), MUP_AWAY], ids=["standard", "mup-complete-p"])
+def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path, extra):
     # a schedule that does not depend on train.steps, so stopping at 30 is on the 60-step trajectory
     reference = tmp_path / "reference"
-    run_in_process(corpus, cache, reference, "train.steps=60", "optim.schedule=constant")
+    run_in_process(corpus, cache, reference, "train.steps=60", "optim.schedule=constant", *extra)
     resumed = tmp_path / "resumed"
-    run_in_process(corpus, cache, resumed, "train.steps=30", "optim.schedule=constant")
-    run_in_process(corpus, cache, resumed, "train.steps=60", "optim.schedule=constant")
+    run_in_process(corpus, cache, resumed, "train.steps=30", "optim.schedule=constant", *extra)
+    run_in_process(corpus, cache, resumed, "train.steps=60", "optim.schedule=constant", *extra)
     assert losses(resumed) == losses(reference)
     assert sorted(losses(resumed)) == list(range(1, 61))
     assert_bitwise_equal(final_params(resumed), final_params(reference))

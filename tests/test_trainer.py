@@ -108,6 +108,26 @@ def test_fsdp_splits_activations_by_the_batch():
 
 
 @pytest.mark.slow
+def test_mup_with_depth_scaling_and_experts_trains_to_the_same_losses_across_meshes(corpus, tmp_path):
+    """µP away from its base shape, CompleteP at twice its base depth, an MoE layer: the per-parameter
+    multipliers are elementwise, so every mesh (data, fsdp x tensor, experts) takes the same steps."""
+    meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
+    meshes += [{"devices": 4, "data": 2, "expert": 2}]
+    config = tmp_path / "mup.yaml"
+    config.write_text(
+        "model:\n  parametrization: mup\n  mup_base_d_model: 32\n  mup_base_n_heads: 4\n"
+        "  depth_scaling: complete_p\n  mup_base_n_layers: 1\n  n_experts: 2\n  moe_every: 2\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    worker = [str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes), str(config)]
+    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for r in results[1:]:
+        np.testing.assert_allclose(r["losses"], results[0]["losses"], rtol=1e-5, err_msg=str(r["mesh"]))
+
+
+@pytest.mark.slow
 def test_mla_losses_identical_across_meshes(corpus, tmp_path):
     """MLA's latents and up-projections shard by their logical axes like every other layer."""
     meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
