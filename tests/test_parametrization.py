@@ -156,8 +156,6 @@ def test_mlas_latent_projections_follow_their_fan_ins_and_its_scale_is_one_over_
 
 
 def test_per_parameter_multipliers_scale_the_step_its_weight_decay_and_adams_epsilon():
-    import optax
-
     from transformer.config import OptimConfig
 
     params = {"a": jnp.ones((3, 3)), "b": {"c": jnp.full((2,), 2.0)}}
@@ -183,7 +181,6 @@ def test_per_parameter_multipliers_scale_the_step_its_weight_decay_and_adams_eps
     big_eps = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0.1, eps=1e-8 * 1e7)
     np.testing.assert_allclose(update(OptimizerScaling(ones, ones, 1e7))["a"], update(c=big_eps)["a"], rtol=1e-6)
     assert not np.allclose(update(c=big_eps)["a"], plain["a"])  # the factor is large enough to show
-    del optax
 
 
 def test_depth_scaling_multiplies_each_residual_branch_after_its_output_norm():

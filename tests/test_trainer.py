@@ -107,47 +107,40 @@ def test_fsdp_splits_activations_by_the_batch():
     assert fsdp < one / 2, (one, data, fsdp)
 
 
+def _same_losses_across_meshes(corpus, tmp_path, meshes: list[dict], config: str, extra: list[str] | None = None):
+    """tests/mesh_worker.py on 4 fake CPU devices with the model section `config` (YAML) and `extra`
+    overrides: each mesh's losses equal the first's (rtol 1e-5); the worker's results returned."""
+    path = tmp_path / "mesh.yaml"
+    path.write_text(config)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    worker = [str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes), str(path)]
+    worker += [json.dumps(extra)] if extra else []
+    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for r in results[1:]:
+        np.testing.assert_allclose(r["losses"], results[0]["losses"], rtol=1e-5, err_msg=str(r["mesh"]))
+    return results
+
+
 @pytest.mark.slow
 def test_mup_with_depth_scaling_and_experts_trains_to_the_same_losses_across_meshes(corpus, tmp_path):
     """µP away from its base shape, CompleteP at twice its base depth, an MoE layer: the per-parameter
     multipliers are elementwise, so every mesh (data, fsdp x tensor, experts) takes the same steps."""
     meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
     meshes += [{"devices": 4, "data": 2, "expert": 2}]
-    config = tmp_path / "mup.yaml"
-    config.write_text(
-        "model:\n  parametrization: mup\n  mup_base_d_model: 32\n  mup_base_n_heads: 4\n"
-        "  depth_scaling: complete_p\n  mup_base_n_layers: 1\n  n_experts: 2\n  moe_every: 2\n"
-    )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    worker = [str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes), str(config)]
-    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    for r in results[1:]:
-        np.testing.assert_allclose(r["losses"], results[0]["losses"], rtol=1e-5, err_msg=str(r["mesh"]))
+    config = "model:\n  parametrization: mup\n  mup_base_d_model: 32\n  mup_base_n_heads: 4\n"
+    config += "  depth_scaling: complete_p\n  mup_base_n_layers: 1\n  n_experts: 2\n  moe_every: 2\n"
+    _same_losses_across_meshes(corpus, tmp_path, meshes, config)
 
 
 @pytest.mark.slow
 def test_mla_losses_identical_across_meshes(corpus, tmp_path):
     """MLA's latents and up-projections shard by their logical axes like every other layer."""
     meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
-    config = tmp_path / "mla.yaml"
-    config.write_text("model:\n  attention: mla\n  position: rope\n  kv_lora_rank: 16\n  q_lora_rank: 24\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    extra = json.dumps(["model.n_kv_heads=8"])  # MLA has no kv heads: the worker's GQA default must go
-    worker = [
-        str(ROOT / "tests" / "mesh_worker.py"),
-        str(corpus),
-        str(tmp_path),
-        json.dumps(meshes),
-        str(config),
-        extra,
-    ]
-    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    for r in results[1:]:
-        np.testing.assert_allclose(r["losses"], results[0]["losses"], rtol=1e-5, err_msg=str(r["mesh"]))
+    config = "model:\n  attention: mla\n  position: rope\n  kv_lora_rank: 16\n  q_lora_rank: 24\n"
+    extra = ["model.n_kv_heads=8"]  # MLA has no kv heads: the worker's GQA default must go
+    results = _same_losses_across_meshes(corpus, tmp_path, meshes, config, extra)
     assert results[2]["specs"]["wk_up"] == "P(None, None, 'tensor', None)"  # heads split over tensor
 
 
@@ -157,15 +150,8 @@ def test_other_families_train_to_the_same_losses_across_meshes(arch, corpus, tmp
     """An encoder (MLM) and an encoder-decoder (span corruption, its encoder stack and cross-attention
     sharded by the same table) train alike on one device, data=4 and fsdp2 x tensor2."""
     meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
-    config = tmp_path / "family.yaml"
-    config.write_text(f"base: {ROOT / 'configs' / 'default.yaml'}\nmodel:\n  arch: {arch}\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    worker = [str(ROOT / "tests" / "mesh_worker.py"), str(corpus), str(tmp_path), json.dumps(meshes), str(config)]
-    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    for r in results[1:]:
-        np.testing.assert_allclose(r["losses"], results[0]["losses"], rtol=1e-5, err_msg=str(r["mesh"]))
+    config = f"base: {ROOT / 'configs' / 'default.yaml'}\nmodel:\n  arch: {arch}\n"
+    results = _same_losses_across_meshes(corpus, tmp_path, meshes, config)
     split = "P(None, 'fsdp', 'tensor', None, None)"  # layers, embed over fsdp, kv heads over tensor
     kinds = ("qkv", "encoder_qkv", "cross_qkv") if arch == "encoder_decoder" else ("qkv",)
     assert [results[2]["specs"][k] for k in kinds] == [split] * len(kinds)

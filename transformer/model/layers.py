@@ -90,8 +90,10 @@ class InitScales:
         elif cfg.init_depth_scaled:
             # GPT-2: the L*2 writes into the residual stream add up, so each shrinks with its stack's
             # depth; under depth scaling with the base's, as the branch multiplier does the rest
-            depth = cfg.n_encoder_layers if encoder_stack else cfg.n_layers
-            depth = cfg.mup_base_n_layers if cfg.depth_scaling != "none" else depth
+            if cfg.depth_scaling != "none":
+                depth = cfg.mup_base_n_layers
+            else:
+                depth = cfg.n_encoder_layers if encoder_stack else cfg.n_layers
             carry, residual = std, std / math.sqrt(2 * depth)
         else:
             carry, residual = std, std

@@ -115,8 +115,8 @@ class MoE(nnx.Module):
     def route(self, x_BxTxD: jax.Array) -> Routing:
         cfg = self.cfg
         logits_BxTxE = jnp.einsum("BTD,DE->BTE", x_BxTxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        if (multiplier := output_multiplier(cfg)) != 1.0:  # µP's readout rule, as the head's
-            logits_BxTxE = logits_BxTxE * multiplier
+        if cfg.parametrization == "mup":  # µP's readout rule, as the head's (1.0 at the base shape)
+            logits_BxTxE = logits_BxTxE * output_multiplier(cfg)
         if cfg.router == "softmax":
             scores_BxTxE = probs_BxTxE = jax.nn.softmax(logits_BxTxE, axis=-1)
         else:

@@ -24,17 +24,18 @@ number of outputs grows as d_model, not its square root), and the attention logi
 because an update aligned with its input moves the output by fan-in times a coordinate's step; their
 init shrinks as m^-1/2 so the product stays O(1). Tied embeddings keep the input rule: the table and
 the head share it, and the 1/m logit multiplier makes the shared table's readout right. The router
-is the head's case exactly (d_model in, a fixed n_experts out), so it gets the head's rule; the experts are hidden matrices with their own width, shared experts included. Weight
-decay rides on the learning rate (AdamW's decoupled decay is multiplied by it), as the per-group
-learning rates of µP's own code (`mup.MuAdamW`) do.
+is the head's case exactly (d_model in, a fixed n_experts out), so it gets the head's rule; the
+experts are hidden matrices with their own width, shared experts included. Weight decay rides on
+the learning rate (AdamW's decoupled decay is multiplied by it), as the per-group learning rates of
+µP's own code (`mup.MuAdamW`) do.
 
 **Depth** (`model.depth_scaling`), on top of µP, with m_L = n_layers / mup_base_n_layers and
 alpha 1/2 (depth-µP: Yang et al. 2023, "Tensor Programs VI", arXiv 2310.02244, and Bordelon et al.
 2023) or 1 (CompleteP: Dey et al. 2025, arXiv 2505.01618), as CompleteP's reference code
 (EleutherAI/nanoGPT-mup, branch completep) writes both:
 - every sublayer's output is multiplied by m_L^-alpha before it joins the residual stream
-  (`Block.branch`, after a sandwich block's output norm), which is why only pre-LN and sandwich blocks take it: post-LN and DeepNorm
-  renormalise the stream itself, which undoes any branch multiplier;
+  (`Block.branch`, after a sandwich block's output norm), which is why only pre-LN and sandwich
+  blocks take it: post-LN and DeepNorm renormalise the stream itself, which undoes any multiplier;
 - GPT-2's depth-scaled init of the residual writes uses the base depth, so the init does not also
   shrink with depth (the multiplier does that);
 - every parameter inside a block (matrices, norm gains, biases) has its learning rate times

@@ -57,7 +57,7 @@ class Member:
     config: Config
     # the config as written, before the config derived its sizes (what --coord-check re-derives at
     # each width from)
-    raw: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    raw: dict[str, Any] = dataclasses.field(compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
