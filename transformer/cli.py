@@ -124,7 +124,7 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.coord_check:
         from transformer.config_loader import load_raw
 
-        return _coord_check_main(_coord_sizes(args), args, [("", load_raw(args.config, args.overrides), cfg)])
+        return _coord_check_main(args, [("", load_raw(args.config, args.overrides), cfg)])
     if args.dry_run:
         return _dry_run(cfg)
     _distributed(args)
@@ -190,17 +190,16 @@ def _coord_sizes(args: argparse.Namespace) -> tuple[str, list[int], int]:
     return ("n_layers" if flag == "--coord-depths" else "d_model"), sorted(sizes), steps
 
 
-def _coord_check_main(
-    spec: tuple[str, list[int], int], args: argparse.Namespace, checks: list[tuple[str, dict, Config]]
-) -> int:
-    """`--coord-check` along `spec` (`_coord_sizes`'s axis, sizes and steps): the figure and one line
-    per quantity of each (name, raw config, config), in
-    --workdir (default runs/coord-check-<config>-<time>; a sweep's members each in their own
-    folder). A member whose check cannot be built is one line; the others are checked (exit 2)."""
+def _coord_check_main(args: argparse.Namespace, checks: list[tuple[str, dict, Config]], sweep: bool = False) -> int:
+    """`--coord-check`: the figure and one line per quantity of each (name, raw config, config; of
+    a sweep's members each distinct model once), in --workdir (default
+    runs/coord-check-<config>-<time>; a sweep's members each in their own folder). A member whose
+    check cannot be built is one line; the others are checked (exit 2)."""
     from transformer.data import DataError
-    from transformer.train import run_coord_check, write_coord_check
+    from transformer.train import distinct_models, run_coord_check, write_coord_check
 
-    axis, sizes, steps = spec
+    axis, sizes, steps = _coord_sizes(args)
+    checks = distinct_models(checks, axis) if sweep else checks
     name = Path(args.config).stem if args.config else "default"
     out = Path(args.workdir) if args.workdir else Path("runs") / f"coord-check-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     code = 0
@@ -276,12 +275,7 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     if args.preflight:
         return _preflight_main([(m.name, m.config) for m in sweep.members], args.topology)
     if args.coord_check:
-        from transformer.train import distinct_models
-
-        spec = _coord_sizes(args)
-        return _coord_check_main(
-            spec, args, distinct_models([(m.name, m.raw, m.config) for m in sweep.members], spec[0])
-        )
+        return _coord_check_main(args, [(m.name, m.raw, m.config) for m in sweep.members], sweep=True)
     workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem
     try:
         if args.print_commands:
