@@ -73,8 +73,12 @@ MUP_AWAY = ("model.parametrization=mup", "model.mup_base_d_model=16", "model.dep
 MUP_AWAY += ("model.mup_base_n_layers=1",)
 
 
+# Muon's momentum and the AdamW group's moments, in optax's partitioned state
+MUON = ("optim.name=muon", "optim.muon.ns=polar_express")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), MUP_AWAY], ids=["standard", "mup-complete-p"])
+@pytest.mark.parametrize("extra", [(), MUP_AWAY, MUON], ids=["standard", "mup-complete-p", "muon"])
 def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path, extra):
     # a schedule that does not depend on train.steps, so stopping at 30 is on the 60-step trajectory
     reference = tmp_path / "reference"

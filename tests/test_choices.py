@@ -27,6 +27,8 @@ COMPANIONS = {
     "model.attention_impl=cudnn": ["model.dtype=bfloat16"],  # the schema refuses cudnn in float32
     "faults.corrupt_kind": ["faults.corrupt_step=1"],  # the kind is used only when the fault fires
     "model.depth_scaling": ["model.parametrization=mup"],  # depth scaling sits on µP's width rules
+    "optim.muon.ns": ["optim.name=muon"],  # Muon's keys are refused under other optimisers
+    "optim.muon.scale": ["optim.name=muon"],
     # an objective trains its family, on text or on pairs
     "data.objective=mlm": ["model.arch=encoder"],
     "data.objective=span": ["model.arch=encoder_decoder"],
@@ -96,9 +98,16 @@ def _companions(key: str, value) -> list[str]:
     return COMPANIONS.get(_override(key, value), COMPANIONS.get(key, []))
 
 
-def _keys(choice: tuple[str, typing.Any]) -> set[str]:
-    """The keys a choice sets: its own and its companions'."""
-    return {choice[0]} | {c.partition("=")[0] for c in _companions(*choice)}
+def _sets(choice: tuple[str, typing.Any]) -> dict[str, str]:
+    """What a choice sets, key to value: its own and its companions'."""
+    own = _override(*choice).partition("=")
+    return {own[0]: own[2]} | {c.partition("=")[0]: c.partition("=")[2] for c in _companions(*choice)}
+
+
+def _clash(row: list[tuple[str, typing.Any]], choice: tuple[str, typing.Any]) -> bool:
+    """Whether `choice` (or a companion) sets a key of the row to another value."""
+    wanted = _sets(choice)
+    return any(wanted.get(k, v) != v for c in row for k, v in _sets(c).items())
 
 
 def _overrides(corpus: Path, cache: Path, choices: list[tuple[str, typing.Any]]) -> list[str]:
@@ -131,13 +140,15 @@ def covering_rows() -> list[list[tuple[str, typing.Any]]]:
     """Few configs that together make every choice the platform accepts at least once (one key
     per config at most once): each compile is the test's cost, so one config carries one choice of
     many keys. A choice refused on its own is left out (see the refusal test)."""
-    left = [c for c in CHOICES if _refusal([c]) is None]
+    # the choices that bring companions first: they constrain a row most, the rest fill in around them
+    left = sorted((c for c in CHOICES if _refusal([c]) is None), key=lambda c: -len(_companions(*c)))
     rows = []
     while left:
         row: list[tuple[str, typing.Any]] = []
         for choice in left:
-            # a companion must not change a key the row chose (nor a choice one a companion set)
-            if not _keys(choice) & {k for c in row for k in _keys(c)} and _refusal([*row, choice]) is None:
+            # a companion must not change a key the row chose (nor a choice one a companion set);
+            # choices whose companions agree (Muon's keys, each with optim.name=muon) share a row
+            if choice[0] not in {c[0] for c in row} and not _clash(row, choice) and _refusal([*row, choice]) is None:
                 row.append(choice)
         left = [c for c in left if c not in row]
         rows.append(row)

@@ -109,6 +109,7 @@ def test_init_scales_learning_rates_and_multipliers_are_the_closed_forms():
     # n_heads 4 at both: head_dim 32 against 8; d_ff 4*D against 4*32 (both rounded to 16s: exact)
     assert (m.mup_base_n_heads, m.mup_base_head_dim, m.mup_base_d_ff) == (4, 8, 128)
     widths = {"d_model": 4.0, "attention": 4.0, "d_ff": 4.0, "moe_d_ff": 1.0, "kv_lora_rank": 1.0}  # no experts, no MLA
+    widths["q_lora_rank"] = 1.0  # refused under µP
     assert m.width_multipliers == widths
     std, residual = 0.02, 0.02 / np.sqrt(2 * 3)
     scales = InitScales.of(m)
@@ -134,7 +135,8 @@ def test_the_fan_ins_follow_heads_and_ffn_width_each_on_its_own():
     )
     # head_dim and d_ff are written, so the base keeps them; only d_model and the heads scale
     assert (m.mup_base_head_dim, m.mup_base_d_ff) == (16, 96)
-    assert m.width_multipliers == {"d_model": 2.0, "attention": 4.0, "d_ff": 1.0, "moe_d_ff": 1.0, "kv_lora_rank": 1.0}
+    fixed = dict.fromkeys(("d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_rank"), 1.0)
+    assert m.width_multipliers == {"d_model": 2.0, "attention": 4.0, **fixed}
     assert m.scale == 16**-0.5
 
 

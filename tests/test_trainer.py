@@ -135,6 +135,17 @@ def test_mup_with_depth_scaling_and_experts_trains_to_the_same_losses_across_mes
 
 
 @pytest.mark.slow
+def test_muon_trains_to_the_same_losses_across_meshes(corpus, tmp_path):
+    """Muon's Newton-Schulz matmuls run on the sharded matrices (layers, fsdp's D, tensor's heads and
+    FFN width, the expert axis's experts): XLA's partitioner gathers what each Gram product needs, and
+    every mesh takes the same steps. GQA (the fused q of two heads per kv head, k, v) and an MoE layer."""
+    meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
+    meshes += [{"devices": 4, "data": 2, "expert": 2}]
+    config = "model:\n  n_experts: 2\n  moe_every: 2\noptim:\n  name: muon\n"
+    _same_losses_across_meshes(corpus, tmp_path, meshes, config)
+
+
+@pytest.mark.slow
 def test_mla_losses_identical_across_meshes(corpus, tmp_path):
     """MLA's latents and up-projections shard by their logical axes like every other layer."""
     meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]

@@ -630,7 +630,7 @@ class ModelConfig:
         """µP's m of each width a fan-in can have: this model's over the base's (all 1 at the base
         shape and under the standard parametrization), keyed as model/parametrization.py's table."""
         if self.parametrization != "mup":
-            return {"d_model": 1.0, "attention": 1.0, "d_ff": 1.0, "moe_d_ff": 1.0, "kv_lora_rank": 1.0}
+            return dict.fromkeys(("d_model", "attention", "d_ff", "moe_d_ff", "kv_lora_rank", "q_lora_rank"), 1.0)
         # the attention output's fan-in: every head's value (MLA's v_head_dim is head_dim under µP)
         return {
             "d_model": self.d_model / self.mup_base_d_model,
@@ -638,6 +638,7 @@ class ModelConfig:
             "d_ff": self.d_ff / self.mup_base_d_ff,
             "moe_d_ff": self.moe_d_ff / self.mup_base_moe_d_ff if self.n_experts else 1.0,
             "kv_lora_rank": self.kv_lora_rank / self.mup_base_mla["kv_lora_rank"] if self.attention == "mla" else 1.0,
+            "q_lora_rank": 1.0,  # µP refuses a query latent (it would not widen with the model)
         }
 
     @property
@@ -855,9 +856,41 @@ class DataConfig:
         return DataSource.parse(self.source)
 
 
+MuonNewtonSchulz = Literal["jordan", "polar_express"]
+MuonScale = Literal["moonlight", "jordan", "spectral"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """Muon (`optim.name: muon`, transformer/train/muon.py): each hidden matrix's momentum,
+    orthogonalised by a Newton-Schulz iteration and scaled by its shape, times optim.lr; the
+    embeddings, the head, the router, norm gains and biases take AdamW at `adam_lr`.
+
+    `scale` is what the orthogonal update is multiplied by: Moonlight's 0.2 * sqrt(max(fan_in,
+    fan_out)) (Liu et al. 2025; the default, because it gives the update AdamW's RMS, so one lr and
+    one weight decay serve both groups and an AdamW run's carry over), Jordan's sqrt(max(1,
+    fan_out / fan_in)) (modded-nanogpt; its lr is ~10x AdamW's), or the spectral condition's
+    sqrt(fan_out / fan_in) (Yang, Simon & Bernstein 2023; µP's, as it keeps every width's update
+    the same size in the spectral norm)."""
+
+    ns: MuonNewtonSchulz = "jordan"  # Keller Jordan's quintic, or Polar Express's per-step coefficients
+    ns_steps: int = 5
+    momentum: float = 0.95
+    nesterov: bool = True
+    scale: MuonScale = "moonlight"
+    adam_lr: float | None = None  # the AdamW group's peak lr (same schedule); null: optim.lr
+
+    def __post_init__(self):
+        _check_ints(self)
+        most = 5 if self.ns == "polar_express" else 100  # Polar Express's coefficients are for five steps
+        _check(1 <= self.ns_steps <= most, "ns_steps", f"must be in [1, {most}] for ns: {self.ns}, got {self.ns_steps}")
+        _check(0.0 <= self.momentum < 1.0, "momentum", f"must be in [0, 1), got {self.momentum}")
+        _check(self.adam_lr is None or self.adam_lr > 0, "adam_lr", f"must be > 0 or null, got {self.adam_lr}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: Literal["adamw", "adam", "lion", "adafactor", "sgd"] = "adamw"
+    name: Literal["adamw", "adam", "lion", "adafactor", "sgd", "muon"] = "adamw"
     lr: float = 3e-3
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = 50
@@ -869,9 +902,15 @@ class OptimConfig:
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     clip_norm: float | None = 1.0
+    muon: MuonConfig = MuonConfig()
 
     def __post_init__(self):
         _check_ints(self)
+        _check(
+            self.name == "muon" or self.muon == MuonConfig(),
+            "muon",
+            f"is Muon's (optim.name: muon); {self.name} does not read it",
+        )
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
@@ -1072,15 +1111,34 @@ class Config:
             "data.seq_len",
             f"rows of {context} tokens ({self.data.objective}) exceed model.max_seq_len ({m.max_seq_len})",
         )
-        _check(
-            m.parametrization != "mup" or self.optim.name in ADAM_FAMILY,
-            "optim.name",
-            f"µP's rules here are Adam's, for {', '.join(ADAM_FAMILY)}; {self.optim.name} needs others (model.parametrization)",
-        )
+        if m.parametrization == "mup":
+            self._check_mup_optimizer()
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)
         if self.mesh.expert != 1:
             check_expert_split(m, self.mesh.expert)
+
+    def _check_mup_optimizer(self) -> None:
+        """µP's rules (model/parametrization.py) are written for the Adam family and for Muon with the
+        spectral scale (whose hidden updates are already the same size at every width)."""
+        name, muon = self.optim.name, self.optim.muon
+        _check(
+            name in (*ADAM_FAMILY, "muon"),
+            "optim.name",
+            f"µP's rules here are for {', '.join(ADAM_FAMILY)} and muon; {name} needs others (model.parametrization)",
+        )
+        if name != "muon":
+            return
+        _check(
+            muon.scale == "spectral",
+            "optim.muon.scale",
+            f"µP with Muon needs the spectral scale sqrt(fan_out/fan_in), not {muon.scale} (model.parametrization)",
+        )
+        _check(
+            self.model.depth_scaling == "none",
+            "model.depth_scaling",
+            "depth scaling's rules here are Adam's; Muon under µP transfers across width only",
+        )
 
     @property
     def loss_chunk(self) -> int:

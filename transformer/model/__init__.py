@@ -5,7 +5,8 @@
   bias, or nothing;
 - `parametrization.py`: the standard parametrization, µP, and depth-µP or CompleteP on top of it,
   in one table (init, learning-rate and forward multipliers of each kind of parameter, by its width
-  over the base shape's; the residual branches' and the optimiser's by the depth over the base's);
+  over the base shape's; the residual branches' and the optimiser's by the depth over the base's;
+  and how Muon reads each hidden matrix, `matrix_axes`);
 - `layers.py`: parameters with logical axes, the initialisation scales (`InitScales`), norms, FFNs;
 - `flash.py`: blocked attention (`attention_impl=blocked`), causal or bidirectional, static
   window, a custom VJP that recomputes the probabilities;
@@ -23,7 +24,7 @@ The model places nothing on devices: it names logical axes, which `transformer/s
 
 from transformer.model.layers import Placer, placing
 from transformer.model.moe import STEP_METRICS
-from transformer.model.parametrization import OptimizerScaling, optimizer_scaling
+from transformer.model.parametrization import OptimizerScaling, matrix_axes, optimizer_scaling
 from transformer.model.summary import (
     abstract_model,
     count_params,
@@ -46,6 +47,7 @@ __all__ = [
     "flops_per_token",
     "kv_cache_bytes_per_token",
     "layer_slots",
+    "matrix_axes",
     "optimizer_scaling",
     "placing",
     "summary_text",

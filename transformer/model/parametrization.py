@@ -48,7 +48,10 @@ alpha 1/2 (depth-µP: Yang et al. 2023, "Tensor Programs VI", arXiv 2310.02244, 
 MLA's sizes must be the ones derived from head_dim (`config.mla_sizes`), so that its latent and
 head widths scale with the model: a written size, or a low-rank query latent, would stay fixed as
 the model widens (a finite width, which is not a hidden matrix's rule), and is refused in one line.
-Muon (and every optimiser outside config.ADAM_FAMILY) has other rules and is refused under µP.
+**Muon** (train/muon.py) takes the hidden matrices, the table's `matrix` column saying how each is
+read as matrices; under µP it must use the spectral scale, which makes their update the same size in
+the spectral norm at every width, so their learning rate is not scaled; the rest keep Adam's rules.
+Other optimisers outside config.ADAM_FAMILY have other rules and are refused under µP.
 """
 
 from __future__ import annotations
@@ -65,41 +68,48 @@ DEPTH_ALPHA = {"none": 0.0, "depth_mup": 0.5, "complete_p": 1.0}
 
 @dataclasses.dataclass(frozen=True)
 class Scaling:
-    """Powers of a parameter's width multiplier m in its init std and its learning rate, and the
-    width its fan-in is (a key of `ModelConfig.width_multipliers`; None: it has no width fan-in)."""
+    """Powers of a parameter's width multiplier m in its init std and its learning rate, the width
+    its fan-in is (a key of `ModelConfig.width_multipliers`; None: it has no width fan-in), and, for
+    a hidden matrix, how Muon reads it as matrices (`matrix`: see `matrix_axes`)."""
 
     init: float
     lr: float
     fan_in: str | None
+    matrix: str | None = None
 
 
 INPUT, OUTPUT, VECTOR = Scaling(0.0, 0.0, None), Scaling(0.0, 0.0, None), Scaling(0.0, 0.0, None)
 
 
-def hidden(fan_in: str) -> Scaling:
-    return Scaling(-0.5, -1.0, fan_in)
+def hidden(fan_in: str, matrix: str) -> Scaling:
+    return Scaling(-0.5, -1.0, fan_in, matrix)
 
 
-# Every parameter by its leaf name in the model's parameter tree: the one table of µP's rules.
+# Every parameter by its leaf name in the model's parameter tree: the one table of µP's rules. A hidden
+# matrix also says its axes within one layer (the axis legend of model/layers.py), fan-in before the
+# comma, fan-out after, for Muon (`matrix_axes`).
 RULES: dict[str, Scaling] = {
     "embed": INPUT,
     "pos_embed": INPUT,
-    "qkv": hidden("d_model"),
-    "out": hidden("attention"),
-    # MLA: full-rank queries, the latent and the shared rope key from d_model, keys and values up from the latent
-    "wq": hidden("d_model"),
-    "wkv_down": hidden("d_model"),
-    "wk_rope": hidden("d_model"),
-    "wk_up": hidden("kv_lora_rank"),
-    "wv_up": hidden("kv_lora_rank"),
-    "w_in": hidden("d_model"),
-    "w_out": hidden("d_ff"),
+    "qkv": hidden("d_model", "D,KCH"),
+    "out": hidden("attention", "NH,D"),
+    # MLA: queries (full-rank, or down to and up from a latent of q_lora_rank), the kv latent and the
+    # shared rope key from d_model, keys and values up from the latent
+    "wq": hidden("d_model", "D,NH"),
+    "wq_down": hidden("d_model", "D,Q"),
+    "wq_up": hidden("q_lora_rank", "Q,NH"),
+    "wkv_down": hidden("d_model", "D,R"),
+    "wk_rope": hidden("d_model", "D,H"),
+    "wk_up": hidden("kv_lora_rank", "R,NH"),
+    "wv_up": hidden("kv_lora_rank", "R,NH"),
+    "w_in": hidden("d_model", "D,CF"),
+    "w_out": hidden("d_ff", "F,D"),
     "head": OUTPUT,
     "router": OUTPUT,
     **{name: VECTOR for name in ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias")},
 }
 # ...and where a mixture of experts' FFN differs: its matrices' inner width is the experts'.
-EXPERT_RULES: dict[str, Scaling] = {**RULES, "w_out": hidden("moe_d_ff")}
+EXPERT_RULES: dict[str, Scaling] = {**RULES, "w_out": hidden("moe_d_ff", "F,D")}
 
 # The parameter tree's block stacks (model/transformer.py); everything else is outside the blocks.
 BLOCK_STACKS = ("blocks", "moe_blocks", "encoder_blocks")
@@ -111,6 +121,16 @@ def rule(name: str, experts: bool = False) -> Scaling:
     if name not in rules:
         raise ValueError(f"model/parametrization.py has no µP rule for parameter {name!r}")
     return rules[name]
+
+
+def matrix_axes(cfg: ModelConfig, name: str) -> str | None:
+    """How Muon reads parameter `name` as matrices: its axes within one layer, fan-in before the
+    comma, fan-out after (leading axes beyond them, L and E, index separate matrices; a fused axis C
+    is cut into the projections it fuses). None: not a hidden matrix (AdamW's, under Muon)."""
+    axes = rule(name).matrix
+    if axes is not None and name == "w_in" and not cfg.gated_ffn:
+        return axes.replace("C", "")  # one projection in: nothing fused
+    return axes
 
 
 def _power(cfg: ModelConfig, scaling: Scaling, exponent: float) -> float:
@@ -147,9 +167,11 @@ class OptimizerScaling:
     eps: float
 
 
-def optimizer_scaling(cfg: ModelConfig, params: dict) -> OptimizerScaling | None:
+def optimizer_scaling(cfg: ModelConfig, params: dict, muon: bool = False) -> OptimizerScaling | None:
     """For a pure-dict parameter tree: the multipliers of `cfg`'s parametrization (None under the
-    standard one; all 1.0 at the base shape)."""
+    standard one; all 1.0 at the base shape). Under Muon (`muon`, with the spectral scale) a hidden
+    matrix's learning rate is not scaled: its orthogonalised update times sqrt(fan_out / fan_in)
+    already has the spectral norm µP asks of every width (Yang, Simon & Bernstein 2023)."""
     if cfg.parametrization != "mup":
         return None
     alpha = DEPTH_ALPHA[cfg.depth_scaling]
@@ -159,7 +181,7 @@ def optimizer_scaling(cfg: ModelConfig, params: dict) -> OptimizerScaling | None
         """(learning-rate, decay) multiplier of the parameter at `path`."""
         keys = [str(getattr(k, "key", k)) for k in path]
         scaling = rule(keys[-1], experts=keys[0] == "moe_blocks" and "ffn" in keys)
-        width = _power(cfg, scaling, scaling.lr)
+        width = 1.0 if muon and scaling.matrix is not None else _power(cfg, scaling, scaling.lr)
         if cfg.depth_scaling == "none":
             return width, width
         depth = depth_lr if keys[0] in BLOCK_STACKS else 1.0

@@ -2,7 +2,9 @@
 those above it in this list (or none of them):
 
 - `loss.py`: the objective, float32 cross-entropy and z-loss, plain or chunked over positions;
-- `optim.py`: the optax chain (schedule, optimiser, weight-decay mask, clipping);
+- `muon.py`: Muon's step for the hidden matrices (momentum, Newton-Schulz orthogonalisation of
+  each layer's, expert's and fused projection's matrix, the shape scale);
+- `optim.py`: the optax chain (schedule, optimiser, weight-decay mask, clipping; Muon's two groups);
 - `trainer.py`: the train state and the jitted init, train, eval and stats steps (`Trainer`);
 - `validation.py`: validation on the host, each source's windows through the eval step;
 - `preflight.py`: the train step compiled ahead of time (local devices or a TPU topology), its

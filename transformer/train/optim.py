@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
 
-from transformer.config import OptimConfig
+from transformer.config import ModelConfig, OptimConfig
 from transformer.model import OptimizerScaling
+from transformer.train.muon import is_matrix, scale_by_muon
 
 # Norm gains and biases are never decayed: pulling them toward zero shrinks nothing useful.
 NO_DECAY_NAMES = ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias")
@@ -83,14 +86,22 @@ def decay_each(weight_decay: float, multipliers: dict, mask: dict) -> optax.Grad
 
 
 def make_optimizer(
-    cfg: OptimConfig, total_steps: int, params: dict, scaling: OptimizerScaling | None = None
+    cfg: OptimConfig,
+    total_steps: int,
+    params: dict,
+    scaling: OptimizerScaling | None = None,
+    model: ModelConfig | None = None,
 ) -> optax.GradientTransformation:
     """The chain of `cfg`; with `scaling` (µP's and depth scaling's, model/parametrization.py) each
     parameter's learning rate and weight decay times its multipliers, and Adam's epsilon times its
-    factor (the Adam family only, which config.Config checks)."""
+    factor (the Adam family only, which config.Config checks). Muon needs the `model` its
+    parameters' names are read by."""
     lr = schedule(cfg, total_steps)
     mask = decay_mask(params, cfg.decay_embeddings)
-    if scaling is not None:
+    if cfg.name == "muon":
+        assert model is not None, "Muon reads its matrices' layouts from the model config"
+        opt = _muon(cfg, total_steps, params, scaling, model)
+    elif scaling is not None:
         # the Adam family written out as optax writes adamw, adam and lion, with the per-parameter
         # multipliers between normalising the step and scaling it by the learning rate
         core = (
@@ -103,20 +114,54 @@ def make_optimizer(
             steps.append(decay_each(cfg.weight_decay, scaling.decay, mask))
         opt = optax.chain(*steps, optax.scale_by_learning_rate(lr))
     else:
-        match cfg.name:
-            case "adamw":
-                opt = optax.adamw(lr, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
-            case "adam":
-                opt = optax.adam(lr, cfg.b1, cfg.b2, cfg.eps)
-            case "lion":
-                opt = optax.lion(lr, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
-            case "adafactor":
-                opt = optax.adafactor(lr, weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=mask)
-            case "sgd":
-                opt = optax.chain(
-                    optax.add_decayed_weights(cfg.weight_decay, mask),
-                    optax.sgd(lr, momentum=cfg.b1 or None),
-                )
+        opt = _standard(cfg, lr, mask)
     if cfg.clip_norm is not None:
         opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
     return opt
+
+
+def _standard(cfg: OptimConfig, lr, mask: dict) -> optax.GradientTransformation:
+    """optax's own optimiser of `cfg.name` (the Adam family, Adafactor, SGD)."""
+    match cfg.name:
+        case "adamw":
+            return optax.adamw(lr, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
+        case "adam":
+            return optax.adam(lr, cfg.b1, cfg.b2, cfg.eps)
+        case "lion":
+            return optax.lion(lr, cfg.b1, cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
+        case "adafactor":
+            return optax.adafactor(lr, weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=mask)
+        case _:
+            return optax.chain(
+                optax.add_decayed_weights(cfg.weight_decay, mask), optax.sgd(lr, momentum=cfg.b1 or None)
+            )
+
+
+def _muon(
+    cfg: OptimConfig, total_steps: int, params: dict, scaling: OptimizerScaling | None, model: ModelConfig
+) -> optax.GradientTransformation:
+    """Muon on the hidden matrices (train/muon.py), at optim.lr with decoupled decay lr * wd * W as in
+    Jordan's and Moonlight's code; AdamW on the rest at optim.muon.adam_lr, decayed where `decay_mask`
+    says, on the same schedule. Under µP every multiplier here is 1 (the spectral scale does the width
+    for the matrices, and the others' rules are 1 across width), which this checks."""
+    if scaling is not None:
+        ones = all(c == 1.0 for c in jax.tree.leaves((scaling.lr, scaling.decay))) and scaling.eps == 1.0
+        assert ones, "µP under Muon scales no learning rate (config.Config refuses depth scaling with it)"
+    adam_lr = schedule(dataclasses.replace(cfg, lr=cfg.muon.adam_lr or cfg.lr), total_steps)
+    groups = {
+        "muon": optax.chain(
+            scale_by_muon(cfg.muon, model),
+            optax.add_decayed_weights(cfg.weight_decay),
+            optax.scale_by_learning_rate(schedule(cfg, total_steps)),
+        ),
+        "adamw": optax.adamw(
+            adam_lr,
+            cfg.b1,
+            cfg.b2,
+            cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=lambda p: decay_mask(p, cfg.decay_embeddings),
+        ),
+    }
+    labels = jax.tree.map(lambda m: "muon" if m else "adamw", is_matrix(model, params))
+    return optax.partition(groups, labels)

@@ -114,16 +114,29 @@ def default_controls(
 
 def _opt_shardings(tx: optax.GradientTransformation, abstract_params: dict, param_shardings: dict, replicated):
     """Shardings of the optimiser state: a moment shaped like its parameter is sharded like it;
-    anything else is replicated. Adafactor keeps, in the parameter's place, factored row and column
+    anything else is replicated. A moment's parameter is the one at the trailing dict keys of its
+    path in the state (optax keeps every per-parameter tree as the parameters' own, masked or
+    partitioned ones included). Adafactor keeps, in the parameter's place, factored row and column
     moments (one dimension fewer) and a placeholder of shape (1,); those are small, so replicated."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    flat_params = {
+        tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params)
+    }
+    flat_shardings = {
+        tuple(k.key for k in path): sh for path, sh in jax.tree_util.tree_leaves_with_path(param_shardings)
+    }
 
-    def like_param(leaf, param_sharding, param):
-        return param_sharding if getattr(leaf, "shape", None) == param.shape else replicated
+    def sharding_of(path, leaf):
+        keys: list = []
+        for k in reversed(path):
+            if not isinstance(k, jax.tree_util.DictKey):
+                break
+            keys.insert(0, k.key)
+        param = flat_params.get(tuple(keys))
+        same = param is not None and getattr(leaf, "shape", None) == param.shape
+        return flat_shardings[tuple(keys)] if same else replicated
 
-    return optax.tree_map_params(
-        tx, like_param, abstract_opt, param_shardings, abstract_params, transform_non_params=lambda _: replicated
-    )
+    return jax.tree_util.tree_map_with_path(sharding_of, abstract_opt)
 
 
 class Trainer:
@@ -137,7 +150,8 @@ class Trainer:
         self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
         param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
         pure = nnx.to_pure_dict(abstract)
-        self.tx = make_optimizer(cfg.optim, cfg.train.steps, pure, optimizer_scaling(cfg.model, pure))
+        scaling = optimizer_scaling(cfg.model, pure, muon=cfg.optim.name == "muon")
+        self.tx = make_optimizer(cfg.optim, cfg.train.steps, pure, scaling, cfg.model)
         self.lr = schedule(cfg.optim, cfg.train.steps)
         replicated = sharding.replicated(mesh)
         opt_shardings = _opt_shardings(self.tx, nnx.to_pure_dict(abstract), param_shardings, replicated)
