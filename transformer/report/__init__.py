@@ -3,6 +3,8 @@ above it in this list:
 
 - `stats.py`: the runs read back from their directories and their statistics (final and
   budget-matched losses, stability events, LR sensitivity, the verdict); numpy only;
+- `tuned.py`: each level of the compared key at its own best learning rate (final loss, its
+  difference from the first level's paired by seed, steps to reach the first level's final loss);
 - `plots.py`: their figures (matplotlib's object API, no pyplot state);
 - `render.py`: the tables and the Markdown/HTML report (`write_report(DIR)`), with the figures.
 

@@ -28,6 +28,7 @@ from transformer.report.stats import (
     short_key,
     transfer_lines,
 )
+from transformer.report.tuned import TUNED_NOTE, tuned_rows
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
@@ -47,6 +48,7 @@ COLUMNS = [  # (header, Summary field, format)
 ]
 SENSITIVITY_TITLE = "Learning-rate sensitivity (Wortsman et al. 2023)"
 TRANSFER_TITLE = "Learning-rate transfer"
+TUNED_TITLE = "Each at its best learning rate"
 TRANSFER_NOTE = (
     "The best learning rate at each model size: the vertex of a parabola in log lr through the lowest "
     "mean final loss (over seeds, capped at the initial loss) and its two grid neighbours. Whether it "
@@ -114,6 +116,7 @@ class _Page:
     notes: list[str]
     main: Table
     sensitivity: Table
+    tuned: Table  # each level of the compared key at its own best learning rate (report/tuned.py)
     transfer: list[str]  # the learning-rate transfer's lines (stats.transfer_lines)
     plots: list[tuple[str, Path]]  # (title, PNG)
 
@@ -135,6 +138,8 @@ def _markdown(page: _Page) -> str:
     md += [markdown_table(*page.main), ""]
     if page.sensitivity[1]:
         md += [f"## {SENSITIVITY_TITLE}", "", SENSITIVITY_NOTE, "", markdown_table(*page.sensitivity), ""]
+    if page.tuned[1]:
+        md += [f"## {TUNED_TITLE}", "", TUNED_NOTE, "", markdown_table(*page.tuned), ""]
     if page.transfer:
         md += [f"## {TRANSFER_TITLE}", "", TRANSFER_NOTE, "", *(f"- {line}" for line in page.transfer), ""]
     md += ["## Plots", ""] + [f"![{title}]({PLOTS_DIR}/{path.name})" for title, path in page.plots] + [""]
@@ -159,6 +164,7 @@ def _html(page: _Page) -> str:
         if page.sensitivity[1]
         else ""
     )
+    tuned = f"<h2>{TUNED_TITLE}</h2><p>{TUNED_NOTE}</p>" + _html_table(*page.tuned) if page.tuned[1] else ""
     transfer = (
         f"<h2>{TRANSFER_TITLE}</h2><p>{TRANSFER_NOTE}</p><ul>"
         + "".join(f"<li>{html.escape(line)}</li>" for line in page.transfer)
@@ -177,6 +183,7 @@ def _html(page: _Page) -> str:
         + "".join(f"<p>{html.escape(n)}</p>" for n in page.notes)
         + _html_table(*page.main)
         + sensitivity
+        + tuned
         + transfer
         + f"<h2>Plots</h2>{images}</body></html>"
     )
@@ -190,13 +197,17 @@ def write_report(directory: Path, log: Callable[[str], None] = print) -> Path:
     main = table(report)
     plots = plot_all(report, directory / PLOTS_DIR)
     sensitivity, transfer = sensitivity_rows(report), transfer_lines(report)
+    tuned = tuned_rows(report)
+    notes = _notes(report)
     page = _Page(
-        directory.name, report.verdict(), report.best_loss_line(), _notes(report), main, sensitivity, transfer, plots
+        directory.name, report.verdict(), report.best_loss_line(), notes, main, sensitivity, tuned, transfer, plots
     )
     (directory / REPORT_MD).write_text(_markdown(page))
     (directory / REPORT_HTML).write_text(_html(page))
     log(markdown_table(*page.main))
     log(f"verdict: {page.verdict}")
+    if tuned[1]:
+        log(f"{TUNED_TITLE}:\n{markdown_table(*tuned)}")
     for line in transfer:
         log(f"lr transfer: {line}")
     return directory / REPORT_MD
