@@ -73,12 +73,17 @@ MUP_AWAY = ("model.parametrization=mup", "model.mup_base_d_model=16", "model.dep
 MUP_AWAY += ("model.mup_base_n_layers=1",)
 
 
-# Muon's momentum and the AdamW group's moments, in optax's partitioned state
+# Muon's momentum and the AdamW group's moments, in optax's partitioned state; AdEMAMix's slow EMA
+# and the counts its alpha and b3 schedules read (a warm-up of its own: by default it is train.steps,
+# which this test changes, like the cosine schedule it leaves out)
 MUON = ("optim.name=muon", "optim.muon.ns=polar_express")
+OTHERS = [("optim.name=ademamix", "optim.ademamix.warmup=20"), ("optim.name=lion",), ("optim.name=adafactor",)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), MUP_AWAY, MUON], ids=["standard", "mup-complete-p", "muon"])
+@pytest.mark.parametrize(
+    "extra", [(), MUP_AWAY, MUON, *OTHERS], ids=["standard", "mup-complete-p", "muon", "ademamix", "lion", "adafactor"]
+)
 def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path, extra):
     # a schedule that does not depend on train.steps, so stopping at 30 is on the 60-step trajectory
     reference = tmp_path / "reference"

@@ -889,8 +889,27 @@ class MuonConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdEMAMixConfig:
+    """AdEMAMix (`optim.name: ademamix`; Pagliardini et al. 2024, arXiv 2409.03137): AdamW whose step
+    adds `alpha` times a slow EMA of the gradients (decay `b3`, not bias-corrected) to the fast one.
+    As the paper's code, alpha warms up linearly from 0 and b3 from optim.b1 linearly in half-life
+    over `warmup` steps (null: the whole run, the paper's T_alpha = T_b3 = T), so the slow EMA's
+    early, stale mean does not steer the first steps. Decay and its mask are AdamW's."""
+
+    b3: float = 0.9999
+    alpha: float = 5.0
+    warmup: int | None = None
+
+    def __post_init__(self):
+        _check_ints(self)
+        _check(0.0 < self.b3 < 1.0, "b3", f"must be in (0, 1), got {self.b3}")
+        _check(self.alpha >= 0, "alpha", f"must be >= 0, got {self.alpha}")
+        _check(self.warmup is None or self.warmup >= 1, "warmup", f"must be >= 1 or null, got {self.warmup}")
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: Literal["adamw", "adam", "lion", "adafactor", "sgd", "muon"] = "adamw"
+    name: Literal["adamw", "adam", "lion", "adafactor", "sgd", "muon", "ademamix"] = "adamw"
     lr: float = 3e-3
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = 50
@@ -903,14 +922,16 @@ class OptimConfig:
     decay_embeddings: bool = False
     clip_norm: float | None = 1.0
     muon: MuonConfig = MuonConfig()
+    ademamix: AdEMAMixConfig = AdEMAMixConfig()
 
     def __post_init__(self):
         _check_ints(self)
-        _check(
-            self.name == "muon" or self.muon == MuonConfig(),
-            "muon",
-            f"is Muon's (optim.name: muon); {self.name} does not read it",
-        )
+        for section, default in (("muon", MuonConfig()), ("ademamix", AdEMAMixConfig())):
+            _check(
+                self.name == section or getattr(self, section) == default,
+                section,
+                f"is {section}'s (optim.name: {section}); {self.name} does not read it",
+            )
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")

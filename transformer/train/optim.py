@@ -114,15 +114,40 @@ def make_optimizer(
             steps.append(decay_each(cfg.weight_decay, scaling.decay, mask))
         opt = optax.chain(*steps, optax.scale_by_learning_rate(lr))
     else:
-        opt = _standard(cfg, lr, mask)
+        opt = _standard(cfg, lr, mask, total_steps)
     if cfg.clip_norm is not None:
         opt = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt)
     return opt
 
 
-def _standard(cfg: OptimConfig, lr, mask: dict) -> optax.GradientTransformation:
-    """optax's own optimiser of `cfg.name` (the Adam family, Adafactor, SGD)."""
+def ademamix_schedules(cfg: OptimConfig, total_steps: int):
+    """(alpha(step), b3(step)) of AdEMAMix as its paper's code warms them up: alpha linearly from 0,
+    b3 from b1 linearly in the half-life t = log(1/2) / log(beta) - 1, over `warmup` steps."""
+    a = cfg.ademamix
+    warmup = a.warmup or total_steps
+
+    def half_life(beta):
+        return jnp.log(0.5) / jnp.log(beta + 1e-8) - 1.0
+
+    def alpha(step):
+        return a.alpha * jnp.minimum(jnp.asarray(step, jnp.float32) / warmup, 1.0)
+
+    def b3(step):
+        frac = jnp.minimum(jnp.asarray(step, jnp.float32) / warmup, 1.0)
+        life = (1.0 - frac) * half_life(cfg.b1) + frac * half_life(a.b3)
+        return jnp.where(frac < 1.0, jnp.power(0.5, 1.0 / (life + 1.0)), a.b3)
+
+    return alpha, b3
+
+
+def _standard(cfg: OptimConfig, lr, mask: dict, total_steps: int) -> optax.GradientTransformation:
+    """optax's own optimiser of `cfg.name` (the Adam family, Adafactor, SGD, AdEMAMix)."""
     match cfg.name:
+        case "ademamix":
+            alpha, b3 = ademamix_schedules(cfg, total_steps)
+            return optax.contrib.ademamix(
+                lr, cfg.b1, cfg.b2, b3, alpha, cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+            )
         case "adamw":
             return optax.adamw(lr, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
         case "adam":

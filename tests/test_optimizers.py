@@ -1,0 +1,64 @@
+"""Optimisers beside AdamW and Muon (train/optim.py): AdEMAMix's warm-up schedules in closed form
+and its step against the formula, each optimiser's refused keys in one line. Resume bit for bit of
+every optimiser is tests/test_checkpoint.py's; Muon's own tests are tests/test_muon.py."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer.config import AdEMAMixConfig, ConfigError, OptimConfig
+from transformer.config_loader import load_config
+from transformer.train.optim import ademamix_schedules, make_optimizer
+
+
+def test_ademamix_warms_alpha_linearly_and_b3_linearly_in_half_life():
+    cfg = OptimConfig(name="ademamix", b1=0.9, ademamix=AdEMAMixConfig(b3=0.999, alpha=8.0, warmup=100))
+    alpha, b3 = ademamix_schedules(cfg, total_steps=1000)
+    assert float(alpha(0)) == 0.0 and float(alpha(50)) == pytest.approx(4.0) and float(alpha(400)) == 8.0
+    half_life = lambda b: math.log(0.5) / math.log(b) - 1  # noqa: E731
+    assert float(b3(0)) == pytest.approx(0.9, rel=1e-6) and float(b3(100)) == pytest.approx(0.999)
+    middle = 0.5 * (half_life(0.9) + half_life(0.999))  # half-way in half-life, not in beta
+    assert float(b3(50)) == pytest.approx(0.5 ** (1 / (middle + 1)), rel=1e-5)
+    # null warmup: the whole run
+    alpha, _ = ademamix_schedules(OptimConfig(name="ademamix"), total_steps=200)
+    assert float(alpha(100)) == pytest.approx(2.5)
+
+
+def test_ademamix_steps_are_the_formula():
+    """Two steps by hand: m1 and nu Adam's (bias-corrected), m2 the slow EMA with b3(count) and not
+    corrected, the step lr * ((m1_hat + alpha m2) / (sqrt(nu_hat) + eps) + wd * w)."""
+    a = AdEMAMixConfig(b3=0.99, alpha=4.0, warmup=4)
+    cfg = OptimConfig(name="ademamix", lr=0.1, schedule="constant", warmup_steps=0, clip_norm=None, ademamix=a)
+    params = {"w": jnp.asarray([[1.0, -2.0], [0.5, 3.0]])}
+    tx = make_optimizer(cfg, 10, params)
+    alpha, b3 = ademamix_schedules(cfg, 10)
+    state = tx.init(params)
+    m1 = m2 = nu = np.zeros((2, 2))
+    grads = [np.asarray([[0.3, -0.1], [0.2, 0.4]]), np.asarray([[-0.2, 0.5], [0.1, -0.3]])]
+    for t, g in enumerate(grads):
+        updates, state = tx.update({"w": jnp.asarray(g, jnp.float32)}, state, params)
+        m1 = 0.9 * m1 + 0.1 * g
+        m2 = float(b3(t)) * m2 + (1 - float(b3(t))) * g
+        nu = 0.95 * nu + 0.05 * g**2
+        m1_hat, nu_hat = m1 / (1 - 0.9 ** (t + 1)), nu / (1 - 0.95 ** (t + 1))
+        step = (m1_hat + float(alpha(t)) * m2) / (np.sqrt(nu_hat) + 1e-8) + 0.1 * np.asarray(params["w"])
+        np.testing.assert_allclose(updates["w"], -0.1 * step, rtol=1e-5)
+    assert jax.tree.leaves(state)  # the slow EMA lives in the state that checkpoints save
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["optim.ademamix.alpha=3"], "optim.ademamix"),
+        (["optim.name=ademamix", "optim.ademamix.b3=1.0"], "optim.ademamix.b3"),
+        (["optim.name=ademamix", "optim.ademamix.warmup=0"], "optim.ademamix.warmup"),
+        (["optim.name=ademamix", "model.parametrization=mup"], "optim.name"),
+    ],
+)
+def test_refusals_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert err.value.key == key, str(err.value)
