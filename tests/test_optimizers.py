@@ -18,7 +18,7 @@ def test_ademamix_warms_alpha_linearly_and_b3_linearly_in_half_life():
     cfg = OptimConfig(name="ademamix", b1=0.9, ademamix=AdEMAMixConfig(b3=0.999, alpha=8.0, warmup=100))
     alpha, b3 = ademamix_schedules(cfg, total_steps=1000)
     assert float(alpha(0)) == 0.0 and float(alpha(50)) == pytest.approx(4.0) and float(alpha(400)) == 8.0
-    half_life = lambda b: math.log(0.5) / math.log(b) - 1  # noqa: E731
+    half_life = lambda b: math.log(0.5) / math.log(b) - 1
     assert float(b3(0)) == pytest.approx(0.9, rel=1e-6) and float(b3(100)) == pytest.approx(0.999)
     middle = 0.5 * (half_life(0.9) + half_life(0.999))  # half-way in half-life, not in beta
     assert float(b3(50)) == pytest.approx(0.5 ** (1 / (middle + 1)), rel=1e-5)
