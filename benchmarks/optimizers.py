@@ -7,7 +7,7 @@
 The second form runs nothing: it compiles each optimiser's train step on the mesh given and counts
 the collectives in it (what sharded Newton-Schulz gathers and reduces, beside AdamW's step).
 
-Optimisers (on the preset's model, otherwise its config): AdamW, Lion, Muon with Jordan's
+Optimisers (on the preset's model, otherwise its config): AdamW, Lion, AdEMAMix, Muon with Jordan's
 Newton-Schulz, Muon with Polar Express. Each is a whole train step (forward, backward, clipping,
 the optimiser), timed interleaved (round r times every optimiser in turn, `--steps` steps each, after
 one compiled warm-up step) so load from other processes falls on all alike; the figure is the median
@@ -39,6 +39,7 @@ from transformer.train.trainer import default_controls
 OPTIMIZERS = {
     "adamw": [],
     "lion": ["optim.name=lion"],
+    "ademamix": ["optim.name=ademamix"],
     "muon (jordan)": ["optim.name=muon"],
     "muon (polar express)": ["optim.name=muon", "optim.muon.ns=polar_express"],
 }
