@@ -41,10 +41,10 @@ def test_ademamix_steps_are_the_formula():
     for t, g in enumerate(grads):
         updates, state = tx.update({"w": jnp.asarray(g, jnp.float32)}, state, params)
         m1 = 0.9 * m1 + 0.1 * g
-        m2 = float(b3(t)) * m2 + (1 - float(b3(t))) * g
+        m2 = float(b3(t + 1)) * m2 + (1 - float(b3(t + 1))) * g  # the schedules read the 1-based step
         nu = 0.95 * nu + 0.05 * g**2
         m1_hat, nu_hat = m1 / (1 - 0.9 ** (t + 1)), nu / (1 - 0.95 ** (t + 1))
-        step = (m1_hat + float(alpha(t)) * m2) / (np.sqrt(nu_hat) + 1e-8) + 0.1 * np.asarray(params["w"])
+        step = (m1_hat + float(alpha(t + 1)) * m2) / (np.sqrt(nu_hat) + 1e-8) + 0.1 * np.asarray(params["w"])
         np.testing.assert_allclose(updates["w"], -0.1 * step, rtol=1e-5)
     assert jax.tree.leaves(state)  # the slow EMA lives in the state that checkpoints save
 

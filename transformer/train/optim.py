@@ -121,8 +121,9 @@ def make_optimizer(
 
 
 def ademamix_schedules(cfg: OptimConfig, total_steps: int):
-    """(alpha(step), b3(step)) of AdEMAMix as its paper's code warms them up: alpha linearly from 0,
-    b3 from b1 linearly in the half-life t = log(1/2) / log(beta) - 1, over `warmup` steps."""
+    """(alpha(step), b3(step)) of AdEMAMix as its paper's code warms them up, `step` 1-based (the
+    update it is read for): alpha linearly from 0, b3 from b1 linearly in the half-life
+    t = log(1/2) / log(beta) - 1, over `warmup` steps."""
     a = cfg.ademamix
     warmup = a.warmup or total_steps
 
@@ -145,8 +146,16 @@ def _standard(cfg: OptimConfig, lr, mask: dict, total_steps: int) -> optax.Gradi
     match cfg.name:
         case "ademamix":
             alpha, b3 = ademamix_schedules(cfg, total_steps)
+            # optax counts updates from 0; the paper's code reads its schedules at the 1-based step
             return optax.contrib.ademamix(
-                lr, cfg.b1, cfg.b2, b3, alpha, cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+                lr,
+                cfg.b1,
+                cfg.b2,
+                lambda c: b3(c + 1),
+                lambda c: alpha(c + 1),
+                cfg.eps,
+                weight_decay=cfg.weight_decay,
+                mask=mask,
             )
         case "adamw":
             return optax.adamw(lr, cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
