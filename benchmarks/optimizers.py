@@ -31,10 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from throughput import Stepper, preset_path
 
+from transformer import sharding
 from transformer.config_loader import load_config
 from transformer.model.summary import flops_per_token
 from transformer.train.metrics import device_peak_flops
-from transformer.train.trainer import default_controls
+from transformer.train.preflight import abstract_batch
+from transformer.train.trainer import Trainer, default_controls
 
 OPTIMIZERS = {
     "adamw": [],
@@ -56,19 +58,11 @@ def memory(stepper: Stepper) -> tuple[int, int]:
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def collectives(stepper_cfg) -> dict[str, int]:
+def collectives(cfg) -> dict[str, int]:
     """How many of each collective the compiled train step of this config holds."""
-    from transformer import sharding
-    from transformer.train.preflight import abstract_batch
-    from transformer.train.trainer import Trainer
-
-    trainer = Trainer(stepper_cfg, sharding.make_mesh(stepper_cfg))
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
     state = jax.eval_shape(trainer.init, jax.random.key(0))
-    text = (
-        trainer.train_step.lower(state, abstract_batch(stepper_cfg, trainer.mesh), default_controls())
-        .compile()
-        .as_text()
-    )
+    text = trainer.train_step.lower(state, abstract_batch(cfg, trainer.mesh), default_controls()).compile().as_text()
     return {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in COLLECTIVES}
 
 

@@ -56,8 +56,8 @@ def newton_schulz(x_BxMxN: jax.Array, cfg: MuonConfig) -> jax.Array:
     safety, eps = NORMALISER[cfg.ns]
     x = x / (jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True)) * safety + eps)
     for a, b, c in coefficients(cfg):
-        a_BxMxM = jnp.einsum("BMN,BKN->BMK", x, x)
-        poly_BxMxM = b * a_BxMxM + c * jnp.einsum("BMK,BKJ->BMJ", a_BxMxM, a_BxMxM)
+        gram_BxMxM = jnp.einsum("BMN,BKN->BMK", x, x)
+        poly_BxMxM = b * gram_BxMxM + c * jnp.einsum("BMK,BKJ->BMJ", gram_BxMxM, gram_BxMxM)
         x = a * x + jnp.einsum("BMK,BKN->BMN", poly_BxMxM, x)
     return jnp.swapaxes(x, 1, 2) if tall else x
 

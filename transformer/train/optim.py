@@ -100,7 +100,7 @@ def make_optimizer(
     mask = decay_mask(params, cfg.decay_embeddings)
     if cfg.name == "muon":
         assert model is not None, "Muon reads its matrices' layouts from the model config"
-        opt = _muon(cfg, total_steps, params, scaling, model)
+        opt = _muon(cfg, lr, total_steps, params, scaling, model)
     elif scaling is not None:
         # the Adam family written out as optax writes adamw, adam and lion, with the per-parameter
         # multipliers between normalising the step and scaling it by the learning rate
@@ -172,7 +172,7 @@ def _standard(cfg: OptimConfig, lr, mask: dict, total_steps: int) -> optax.Gradi
 
 
 def _muon(
-    cfg: OptimConfig, total_steps: int, params: dict, scaling: OptimizerScaling | None, model: ModelConfig
+    cfg: OptimConfig, lr, total_steps: int, params: dict, scaling: OptimizerScaling | None, model: ModelConfig
 ) -> optax.GradientTransformation:
     """Muon on the hidden matrices (train/muon.py), at optim.lr with decoupled decay lr * wd * W as in
     Jordan's and Moonlight's code; AdamW on the rest at optim.muon.adam_lr, decayed where `decay_mask`
@@ -186,7 +186,7 @@ def _muon(
         "muon": optax.chain(
             scale_by_muon(cfg.muon, model),
             optax.add_decayed_weights(cfg.weight_decay),
-            optax.scale_by_learning_rate(schedule(cfg, total_steps)),
+            optax.scale_by_learning_rate(lr),
         ),
         "adamw": optax.adamw(
             adam_lr,

@@ -119,12 +119,8 @@ def _opt_shardings(tx: optax.GradientTransformation, abstract_params: dict, para
     partitioned ones included). Adafactor keeps, in the parameter's place, factored row and column
     moments (one dimension fewer) and a placeholder of shape (1,); those are small, so replicated."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    flat_params = {
-        tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params)
-    }
-    flat_shardings = {
-        tuple(k.key for k in path): sh for path, sh in jax.tree_util.tree_leaves_with_path(param_shardings)
-    }
+    paths = [tuple(k.key for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(abstract_params)]
+    by_path = dict(zip(paths, zip(jax.tree.leaves(abstract_params), jax.tree.leaves(param_shardings))))
 
     def sharding_of(path, leaf):
         keys: list = []
@@ -132,9 +128,8 @@ def _opt_shardings(tx: optax.GradientTransformation, abstract_params: dict, para
             if not isinstance(k, jax.tree_util.DictKey):
                 break
             keys.insert(0, k.key)
-        param = flat_params.get(tuple(keys))
-        same = param is not None and getattr(leaf, "shape", None) == param.shape
-        return flat_shardings[tuple(keys)] if same else replicated
+        param, param_sharding = by_path.get(tuple(keys), (None, replicated))
+        return param_sharding if param is not None and getattr(leaf, "shape", None) == param.shape else replicated
 
     return jax.tree_util.tree_map_with_path(sharding_of, abstract_opt)
 
