@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_run_overrides, write_corpus
 
 from transformer import accelerator, limits, sharding
-from transformer.config import Config, DataConfig, ModelConfig
+from transformer.config import Config, ConfigError, DataConfig, ModelConfig, config_changes
 from transformer.config_loader import load_config
 from transformer.data import prepare
 from transformer.train.loop import train
@@ -73,9 +73,32 @@ def test_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_a_cpu(platform, d
 
 
 def test_an_unresolved_auto_dtype_computes_as_a_cpu_does():
-    """A model built straight from a config (a test, a notebook) without `resolve` runs float32."""
-    assert ModelConfig().dtype == "auto"
-    assert ModelConfig().compute_dtype == "float32"
+    """A model built straight from a config (a test, a notebook) without `resolve` runs float32 and
+    XLA's attention, the reference the other implementations are tested against."""
+    assert (ModelConfig().dtype, ModelConfig().attention_impl) == ("auto", "auto")
+    assert (ModelConfig().compute_dtype, ModelConfig().attention_kernel) == ("float32", "xla")
+
+
+def test_the_default_config_runs_the_fast_attention_of_each_platform():
+    """What a user who sets nothing gets: the blocked attention on a CPU (XLA's took 2.6x the step
+    at T=2048) and cuDNN's on a GPU (3x XLA's tokens/s at 4-6x less memory on an H200;
+    benchmarks/README.md). A run that saved the former default resumes under this one."""
+    cfg = load_config(None, [])
+    assert cfg.model.attention_impl == "auto"
+    assert accelerator.resolve(cfg, "cpu").model.attention_impl == "blocked"
+    assert accelerator.resolve(cfg, "gpu").model.attention_impl == "cudnn"
+    unsafe, safe = config_changes(load_config(None, ["model.attention_impl=xla"]), cfg)
+    assert (unsafe, safe) == ([], ["model.attention_impl: 'xla' -> 'auto'"])
+
+
+def test_blocked_is_refused_in_a_dtype_its_xla_fallback_cannot_compile():
+    """Blocked attention hands explicit masks (KV-cache decoding, documents) to XLA's, which XLA:CPU
+    cannot compile in float16: the run is refused before it starts, not at its first generation."""
+    if accelerator._backend() != "cpu":
+        pytest.skip("the float16 limit is XLA:CPU's")
+    with pytest.raises(ConfigError, match=r"^model.dtype: float16 compute is not supported on cpu") as e:
+        limits.check_platform(load_config(None, ["model.dtype=float16"]))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -101,8 +124,8 @@ def test_auto_on_cpu_runs_blocked_and_says_so(tmp_path):
     corpus = write_corpus(tmp_path / "docs.jsonl", seed=0, n=40)
     base = tiny_run_overrides(corpus, tmp_path / "cache", "model.n_layers=1", "train.steps=2", "model.n_kv_heads=4")
     runs = {}
-    for impl in ("auto", "blocked"):
-        cfg = load_config(None, [*base, f"model.attention_impl={impl}"])
+    for impl in ("auto", "blocked"):  # auto is the default: no key set
+        cfg = load_config(None, [*base, *([] if impl == "auto" else [f"model.attention_impl={impl}"])])
         limits.check_platform(cfg)
         data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
         cfg = cfg.with_vocab(data.vocab_size)

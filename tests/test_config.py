@@ -236,7 +236,7 @@ INVALID = [
     (["mesh.tensor=3"], "mesh.tensor", "model.n_heads"),
     (["data.seq_len=512", "model.max_seq_len=256"], "data.seq_len", "model.max_seq_len"),
     (["train.grad_accum=3"], "train.grad_accum", "batch_size"),
-    (["model.attn_softcap=30"], "model.attn_softcap", "einsum"),
+    (["model.attention_impl=xla", "model.attn_softcap=30"], "model.attn_softcap", "einsum"),  # auto picks einsum
     (["model.attention_impl=cudnn", "model.dtype=float32"], "model.attention_impl", "model.dtype"),
     (["data.prefetch=-1"], "data.prefetch", "must be >= 0"),
     (["model.norm_position=sandwhich"], "model.norm_position", "did you mean sandwich?"),

@@ -37,6 +37,7 @@ GATED_FFNS = ("swiglu", "geglu", "reglu")
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
 RopeScaling = Literal["none", "linear", "llama3"]
 AttentionImpl = Literal["xla", "einsum", "cudnn", "blocked", "auto"]  # auto: accelerator.choose_attention decides
+AttentionKernel = Literal["xla", "einsum", "cudnn", "blocked"]  # what a built model runs
 AttentionKind = Literal["mha", "mla"]  # mha covers GQA and MQA through n_kv_heads
 MLA_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 LayerKind = Literal["local", "global"]
@@ -150,7 +151,9 @@ class ModelConfig:
     max_seq_len: int | None = None  # None: data.seq_len when loaded as part of a run config
     window: int | None = None  # sliding-window size in tokens (a query sees itself and window-1 back)
     attention_pattern: tuple[LayerKind, ...] | None = None  # cycled over layers, e.g. local,local,global
-    attention_impl: AttentionImpl = "xla"
+    # auto: the fast implementation for the backend and the mask (accelerator.choose_attention): the
+    # blocked one on a CPU, cuDNN on a GPU where it applies, XLA's elsewhere
+    attention_impl: AttentionImpl = "auto"
     # Multi-head latent attention (DeepSeek-V2): model.attention=mla and its sizes (null: derived from
     # head_dim as in DeepSeek-V2, d_c = 4*d_h, d_h^R = d_h/2 made even; q_lora_rank null = full-rank queries).
     attention: AttentionKind = "mha"
@@ -519,6 +522,13 @@ class ModelConfig:
         `accelerator.resolve` has settled (auto: float32 on a CPU, bfloat16 on a GPU or TPU); one built
         straight from an unresolved config (a test, a notebook, an HF conversion) computes as a CPU does."""
         return "float32" if self.dtype == "auto" else self.dtype
+
+    @property
+    def attention_kernel(self) -> AttentionKernel:
+        """The attention implementation the model runs. A run's model is built from a config that
+        `accelerator.resolve` has settled (auto: blocked on a CPU, cuDNN on a GPU, where the mask allows);
+        one built straight from an unresolved config runs XLA's, the reference the others are tested against."""
+        return "xla" if self.attention_impl == "auto" else self.attention_impl
 
     @property
     def n_kv_groups(self) -> int:
@@ -1291,7 +1301,8 @@ def _to_dict(obj: Any) -> dict[str, Any]:
 
 # Keys that may change when a run is resumed: they change how long it runs, what it logs and where
 # it runs, never the trajectory of the updates it has made so far. The execution keys change speed and
-# memory (which a comparison of runs may be about), the others only bookkeeping.
+# memory (which a comparison of runs may be about; the attention implementation also the rounding of
+# the steps after the resume), the others only bookkeeping.
 RUN_BOOKKEEPING = (
     "train.steps",
     "train.eval_every",
@@ -1300,7 +1311,7 @@ RUN_BOOKKEEPING = (
     "mesh.",
     "data.cache_dir",
 )
-EXECUTION = ("model.remat", "model.scan_layers", "model.scan_unroll", "data.prefetch")
+EXECUTION = ("model.remat", "model.scan_layers", "model.scan_unroll", "model.attention_impl", "data.prefetch")
 SAFE_ON_RESUME = RUN_BOOKKEEPING + EXECUTION
 
 

@@ -63,14 +63,17 @@ def check_attention_support(m: ModelConfig) -> None:
     if m.dtype == "float32" and m.attention_impl != "cudnn":
         return  # runs everywhere
     platform = jax.default_backend()
-    why = _attention_failure(m.attention_impl, m.dtype)
+    # blocked falls back to XLA's attention where a mask is explicit (KV-cache decoding, documents),
+    # so it runs in a dtype only if XLA's does too
+    needed = (m.attention_impl, "xla") if m.attention_impl == "blocked" else (m.attention_impl,)
+    why = next((failure for impl in needed if (failure := _attention_failure(impl, m.dtype))), None)
     if why is None:
         return
     if m.attention_impl == "cudnn":
         impls = [i for i in ("xla", "einsum") if _attention_failure(i, m.dtype) is None]
         use = " or ".join(impls) if impls else "xla or einsum with model.dtype=float32"
         raise ConfigError("model.attention_impl", f"cudnn cannot run on {platform} ({why}); use {use}")
-    works = [d for d in ("bfloat16", "float32") if _attention_failure(m.attention_impl, d) is None]
+    works = [d for d in ("bfloat16", "float32") if all(_attention_failure(i, d) is None for i in needed)]
     alternatives = " or ".join(works) or "another dtype"
     if m.attention_impl != "einsum" and _attention_failure("einsum", m.dtype) is None:
         alternatives += ", or model.attention_impl=einsum"

@@ -212,7 +212,7 @@ class Attention(nnx.Module):
             # fused kernels understand); a traced window or segment ids need an explicit mask.
             static = segment_ids_BxT is None and not isinstance(window, jax.Array)
             mask_BxTxS = None
-            if not static or self.cfg.attention_impl == "einsum":
+            if not static or self.cfg.attention_kernel == "einsum":
                 index_T = jnp.arange(k_BxTxKxH.shape[1])
                 mask_BxTxS = attention_mask(index_T, index_T, window, segment_ids_BxT, segment_ids_BxT, self.causal)
             return Keys(k_BxTxKxH, v_BxTxKxH, positions_BxT, mask_BxTxS, static), None
@@ -233,7 +233,7 @@ class Attention(nnx.Module):
         """Attention of every query head to its kv head's keys: out [B, T, N, H]."""
         cfg = self.cfg
         B, T, K, G, H = q_BxTxKxGxH.shape
-        if cfg.attention_impl == "einsum":
+        if cfg.attention_kernel == "einsum":
             assert keys.mask_BxTxS is not None, "keys_and_mask always masks explicitly for einsum"
             bias_BxKxGxTxS = group_heads(bias_BxNxTxS, K, G)
             out_BxTxKxGxH = attend_einsum(
@@ -241,7 +241,7 @@ class Attention(nnx.Module):
             )
             return out_BxTxKxGxH.reshape(B, T, K * G, -1)  # values may be narrower than queries (MLA)
         static_window = window if keys.static and not isinstance(window, jax.Array) else None
-        if cfg.attention_impl == "blocked" and keys.static and bias_BxNxTxS is None:
+        if cfg.attention_kernel == "blocked" and keys.static and bias_BxNxTxS is None:
             out_BxTxKxGxH = blocked_attention(
                 q_BxTxKxGxH, keys.k_BxSxKxH, keys.v_BxSxKxH, cfg.scale, Mask(causal=self.causal, window=static_window)
             )
@@ -256,7 +256,7 @@ class Attention(nnx.Module):
             is_causal=keys.static and self.causal,
             local_window_size=None if static_window is None else self.window_extent(static_window),
             # never auto (see accelerator.resolve); blocked falls back to xla for explicit masks and biases
-            implementation="xla" if cfg.attention_impl == "blocked" else cfg.attention_impl,  # type: ignore[arg-type]
+            implementation="cudnn" if cfg.attention_kernel == "cudnn" else "xla",
         )
 
     def window_extent(self, window: int) -> tuple[int, int]:

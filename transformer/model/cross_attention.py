@@ -76,7 +76,7 @@ class CrossAttention(Attention):
         B, T = x_BxTxD.shape[:2]
         S = entries["k"].shape[1]
         mask_BxTxS = cross_mask(segment_ids_BxT, memory_segment_ids_BxS)
-        if mask_BxTxS is None and (collect or self.cfg.attention_impl == "einsum"):
+        if mask_BxTxS is None and (collect or self.cfg.attention_kernel == "einsum"):
             mask_BxTxS = jnp.ones((B, T, S), bool)  # these paths mask explicitly
         # static: no mask at all where none is needed (the fused kernels' fast path); never causal here
         keys = Keys(entries["k"], entries["v"], jnp.zeros((B, S), jnp.int32), mask_BxTxS, mask_BxTxS is None)
