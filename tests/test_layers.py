@@ -10,7 +10,7 @@ from conftest import build, tiny
 from flax import nnx
 
 from transformer.model import Block
-from transformer.model.layers import FFN, Norm, gelu_tanh, normalize
+from transformer.model.layers import FFN, Norm, cotangent_once, gelu_tanh, normalize
 from transformer.model.positions import sinusoidal
 
 
@@ -209,3 +209,25 @@ def test_gelu_tanh_equals_jax_gelu_in_value_and_gradient():
     np.testing.assert_array_equal(value, want_value)
     np.testing.assert_allclose(slope, want_slope, atol=2e-6)
     np.testing.assert_allclose(jax.grad(lambda x: gelu_tanh(x).sum())(x), want_slope, atol=2e-6)
+
+
+@pytest.mark.parametrize("first", [1.0, math.nan, math.inf])
+def test_cotangent_once_changes_no_value_and_no_gradient(first):
+    """The FFN's pre-activation passes through `cotangent_once`: the value and every gradient are
+    those without it, bit for bit, whatever the cotangent holds (its first element picks the
+    conditional's branch), and on a CPU the backward pass holds the conditional that keeps XLA from
+    recomputing the cotangent inside the weight gradient's transpose."""
+    x_RxD = jax.random.normal(jax.random.key(0), (64, 16))
+    w_DxF = jax.random.normal(jax.random.key(1), (16, 48))
+    scale_RxF = jnp.ones((64, 48)).at[0, 0].set(first)
+
+    def loss(x, w, through):
+        h = x @ w
+        return jnp.sum(gelu_tanh(cotangent_once(h) if through else h) * scale_RxF)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    for got, want in zip(grad(x_RxD, w_DxF, True), grad(x_RxD, w_DxF, False)):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(cotangent_once(x_RxD), x_RxD)
+    if jax.default_backend() == "cpu":
+        assert " conditional(" in grad.lower(x_RxD, w_DxF, True).compile().as_text()
