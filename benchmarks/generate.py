@@ -1,16 +1,23 @@
 """Generation speed and KV-cache size.
 
     python benchmarks/generate.py [--context 512] [--new 64] [--repeats 3] [key.path=value ...]
+    python benchmarks/generate.py --mla [--context 512] [--new 64] [--repeats 5] [key.path=value ...]
 
 For the default model (random weights: speed does not depend on them): prefill tokens/s for a
 `--context`-token prompt, cached decode tokens/s, and the time per new token when the full forward
 pass is recomputed over the growing sequence instead; then KV-cache bytes at `--context` tokens
 for MHA, GQA, MQA and a sliding window, next to the closed form 2*L*K*H*bytes per token.
+
+`--mla`: the model with `model.attention=mla` (and the overrides), decoding in the absorbed form
+(`MultiHeadLatentAttention.absorbs`, what generation runs) against the expanded form (every cached
+latent projected up to each head's key and value at every step), alternated round by round: ms per
+new token, and the decode step's temporaries (XLA's compiled memory analysis) per cached token.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import sys
@@ -26,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from transformer.accelerator import resolve
 from transformer.config_loader import load_config
 from transformer.model import Transformer
+from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.summary import kv_cache_bytes_per_token
 
 
@@ -39,13 +47,80 @@ def median_time(f, repeats):
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def expanded_mla():
+    """MLA decoding as it ran before absorption: the latents expanded at every step."""
+    absorbs = MultiHeadLatentAttention.absorbs
+    MultiHeadLatentAttention.absorbs = lambda self, T, cached: False  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        MultiHeadLatentAttention.absorbs = absorbs  # type: ignore[method-assign]
+
+
+def mla_decoding(args) -> None:
+    """Absorbed against expanded MLA decoding: ms per new token (median of alternated rounds) and
+    the decode step's temporaries per cached token."""
+    P, N = args.context, args.new
+    cfg = resolve(load_config(None, [f"data.seq_len={P + N}", "model.attention=mla", *args.overrides])).model
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(0), (1, P + N), 0, cfg.vocab_size)
+    positions = jnp.arange(P + N, dtype=jnp.int32)[None]
+    _, cache = jax.jit(
+        lambda p: nnx.merge(graphdef, p).decode(tokens[:, :P], positions[:, :P], model.init_cache(1, P + N), 0)
+    )(params)
+
+    def compile_decode():
+        """The N-token decode loop, traced now (a new function each time: jit caches traces by function)."""
+
+        def decode(params, cache):
+            m = nnx.merge(graphdef, params)
+
+            def step(cache, t):
+                new_BxT = jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1)
+                logits, cache = m.decode(new_BxT, jax.lax.dynamic_slice_in_dim(positions, t, 1, 1), cache, t)
+                return cache, logits[:, -1]
+
+            return jax.lax.scan(step, cache, jnp.arange(P, P + N))[1]
+
+        return jax.jit(decode).lower(params, cache).compile()
+
+    compiled = {"absorbed": compile_decode()}
+    with expanded_mla():
+        compiled["expanded"] = compile_decode()
+    out = {name: f(params, cache) for name, f in compiled.items()}
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    for r in range(args.repeats):
+        for name in list(compiled)[:: 1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            jax.block_until_ready(compiled[name](params, cache))
+            times[name].append((time.perf_counter() - start) / N)
+    gap = float(jnp.max(jnp.abs(out["absorbed"] - out["expanded"])))
+    print(
+        f"MLA decoding, {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads, latent {cfg.kv_lora_rank}, "
+        f"rope key {cfg.qk_rope_head_dim}, {cfg.compute_dtype}, batch 1, {P}-token prompt, {N} new tokens, "
+        f"{args.repeats} alternated rounds; largest logit difference {gap:.1e}"
+    )
+    for name, f in compiled.items():
+        temp = f.memory_analysis().temp_size_in_bytes
+        ms = 1e3 * statistics.median(times[name])
+        print(f"  {name:<9} {ms:6.2f} ms/token  temporaries {temp:>11,} bytes ({temp / (P + N):,.0f} per cached token)")
+    ratio = statistics.median(times["expanded"]) / statistics.median(times["absorbed"])
+    print(f"  absorbed decodes {ratio:.2f}x as fast")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--mla", action="store_true", help="absorbed against expanded MLA decoding")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    if args.mla:
+        mla_decoding(args)
+        return
     P, N = args.context, args.new
     cfg = resolve(load_config(None, [f"data.seq_len={P + N}", *args.overrides])).model  # this machine's dtype
     model = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -17,6 +17,7 @@ from test_generate import check_cached_equals_full
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
 from transformer.eval.generate import SamplingConfig, generate
+from transformer.model.attention import Attention
 from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.summary import (
     count_params,
@@ -174,6 +175,41 @@ def test_attention_entropy_is_that_of_the_attention_weights():
 )
 def test_prefill_and_decode_equal_the_full_forward(extra):
     check_cached_equals_full(mla(max_seq_len=32, **extra), T=20, prefill=6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("extra", [dict(), dict(window=3), dict(attn_softcap=2.0, attention_impl="einsum")])
+def test_absorbed_decoding_equals_the_expanded_form(variant, extra):
+    """Each decoding step in the absorbed form (W^UK into the queries, W^UV after the weighted
+    latents) gives the expanded form's output to float rounding and the same cache, bit for bit;
+    past a window of 3 the ring buffer wraps."""
+    cfg = mla(max_seq_len=32, **VARIANTS[variant], **extra)
+    module = MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(1))
+    B, prompt, steps = 2, 7, 4
+    x_BxTxD = jax.random.normal(jax.random.key(0), (B, prompt + steps, cfg.d_model))
+    positions_BxT = jnp.broadcast_to(jnp.arange(prompt + steps), (B, prompt + steps))
+    size = cfg.window or cfg.max_seq_len
+    cache = module.empty_cache(B, size)
+    _, cache = Attention.__call__(module, x_BxTxD[:, :prompt], positions_BxT[:, :prompt], None, cfg.window, cache=cache)
+    for t in range(prompt, prompt + steps):
+        assert module.absorbs(1, size)
+        args = (x_BxTxD[:, t : t + 1], positions_BxT[:, t : t + 1], None, cfg.window)
+        got, got_cache = module(*args, cache=cache, index=t)
+        want, want_cache = Attention.__call__(module, *args, cache=cache, index=t)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        assert_bitwise_equal(got_cache, want_cache)
+        cache = got_cache
+
+
+def test_absorbing_is_chosen_by_multiply_adds():
+    """DeepSeek-V2-like proportions (R = 4 d_h, E = d_h / 2): one new token absorbs against any
+    cache but an empty one-slot cache; a prefill into an empty cache as long as itself expands, since
+    attention over R-wide latents costs more than making the heads once."""
+    module = MultiHeadLatentAttention(mla(d_model=64, n_heads=4, max_seq_len=4096), rngs=nnx.Rngs(0))
+    assert module.cfg.kv_lora_rank == 4 * module.cfg.head_dim
+    assert all(module.absorbs(1, cached) for cached in (1, 15, 4095))
+    assert not module.absorbs(1, 0)
+    assert not any(module.absorbs(T, 0) for T in (64, 512, 4096))
 
 
 def test_decoding_far_past_the_window():

@@ -12,9 +12,16 @@ queries (x itself for full-rank ones):
     q_n  = [c^Q W^UQ_n ; RoPE(c^Q W^QR_n)]       A + E
     out  = sum_n softmax(q_n k_n^T / sqrt(A + E)) v_n W^O_n
 
-The KV cache holds c^KV and k^R only, (R + E) numbers per token and layer. Decoding projects the
-cached latents up again, the same computation as training, so cached decoding equals the full
-forward pass; absorbing W^UK into the queries would save that compute, not memory.
+The KV cache holds c^KV and k^R only, (R + E) numbers per token and layer. Decoding a few tokens
+against a long cache takes the absorbed form (section 2.1.2): W^UK folded into the queries and W^UV
+into the output, so attention runs in the latent space and no head's key or value is ever made,
+
+    q~_n = q_n^C W^UK_n^T                        R numbers per query head
+    p_n  = softmax((q~_n c^KV^T + q_n^R k^R^T) / sqrt(A + E))
+    out  = sum_n (p_n c^KV) W^UV_n W^O_n
+
+the same function to float rounding. Which form runs is decided per call from the shapes, by which
+needs fewer multiply-adds (`absorbs`): decoding absorbs, a long prefill expands.
 
 Axis legend as in layers.py, plus R the KV latent, Q the query latent, E the RoPE part of a head,
 A the rest of a query/key head (H = A + E), Y the value head width. Queries are laid out as the
@@ -30,10 +37,14 @@ from flax import nnx
 
 from transformer.config import ModelConfig
 from transformer.model.attention import (
+    MASK_VALUE,
     Attention,
     Keys,
     KVCache,
     Window,
+    cached_and_new,
+    position_mask,
+    write_cache,
 )
 from transformer.model.layers import InitScales, Norm, normal_param
 from transformer.model.positions import positions_for
@@ -63,6 +74,57 @@ class MultiHeadLatentAttention(Attention):
         self.wv_up = normal_param(rngs, (R, N, Y), ("latent", "heads", "head_dim"), scales.v_up, cfg)
         self.out = normal_param(rngs, (N, Y, D), ("heads", "head_dim", "embed"), scales.attn_out, cfg)
         self.out_bias = None  # the config refuses biases with MLA
+
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_BxT: jax.Array,
+        segment_ids_BxT: jax.Array | None,
+        window: Window,
+        key: jax.Array | None = None,
+        cache: KVCache | None = None,
+        index: int | jax.Array = 0,
+        collect: bool = False,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """As `Attention.__call__`; with a cache, in the absorbed form where that is cheaper."""
+        if cache is None or collect or not self.absorbs(x_BxTxD.shape[1], cache["pos"].shape[1]):
+            return super().__call__(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, cache, index, collect)
+        q_BxTxNx1xH, entries = self.project(x_BxTxD, positions_BxT)
+        every_BxS, k_positions_BxS = cached_and_new(cache, entries, positions_BxT)
+        mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
+        out_BxTxNxY = self.attend_absorbed(q_BxTxNx1xH[:, :, :, 0], every_BxS, mask_BxTxS)
+        return self.output(out_BxTxNxY, x_BxTxD.dtype), write_cache(cache, entries, positions_BxT, index)
+
+    def absorbs(self, T: int, cached: int) -> bool:
+        """Whether T new tokens against `cached` + T keys take fewer multiply-adds absorbed (per
+        query head: W^UK into the query, scores and weighted sum over R-wide latents, W^UV out)
+        than expanded (every key's and value's head made from its latent, then attention over
+        heads of A + E and Y)."""
+        cfg, S = self.cfg, cached + T
+        R, A, E, Y = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        absorbed = T * (A * R + S * (R + E) + S * R + R * Y)
+        expanded = S * R * (A + Y) + T * S * (A + E + Y)
+        return absorbed < expanded
+
+    def attend_absorbed(self, q_BxTxNxH: jax.Array, every_BxS: KVCache, mask_BxTxS: jax.Array) -> jax.Array:
+        """out [B, T, N, Y]: attention over the cached and new latents themselves, W^UK folded
+        into the queries and W^UV applied to each head's weighted latent. Float32 logits, masked
+        and soft-capped as `attend_einsum` does."""
+        cfg, A = self.cfg, self.cfg.qk_nope_head_dim
+        latent_BxSxR, k_rope_BxSxE = every_BxS["latent"], every_BxS["k_rope"]
+        dtype = latent_BxSxR.dtype
+        q_BxTxNxR = jnp.einsum("BTNA,RNA->BTNR", q_BxTxNxH[..., :A], self.wk_up[...].astype(dtype))
+        scores_BxNxTxS = jnp.einsum("BTNR,BSR->BNTS", q_BxTxNxR, latent_BxSxR, preferred_element_type=jnp.float32)
+        scores_BxNxTxS += jnp.einsum(
+            "BTNE,BSE->BNTS", q_BxTxNxH[..., A:], k_rope_BxSxE.astype(dtype), preferred_element_type=jnp.float32
+        )
+        scores_BxNxTxS = scores_BxNxTxS * cfg.scale
+        if cfg.attn_softcap is not None:
+            scores_BxNxTxS = cfg.attn_softcap * jnp.tanh(scores_BxNxTxS / cfg.attn_softcap)
+        scores_BxNxTxS = jnp.where(mask_BxTxS[:, None], scores_BxNxTxS, MASK_VALUE)
+        probs_BxNxTxS = jax.nn.softmax(scores_BxNxTxS, axis=-1).astype(dtype)
+        mixed_BxTxNxR = jnp.einsum("BNTS,BSR->BTNR", probs_BxNxTxS, latent_BxSxR)
+        return jnp.einsum("BTNR,RNY->BTNY", mixed_BxTxNxR, self.wv_up[...].astype(dtype))
 
     def empty_cache(self, batch: int, size: int) -> KVCache:
         """The latent and the shared rope key of `size` tokens: (R + E) numbers per token."""
@@ -117,7 +179,7 @@ class MultiHeadLatentAttention(Attention):
         narrower side is padded with zeros: zero query/key columns add nothing to the scores (the
         scale is passed explicitly), zero value columns give output columns that are cut off."""
         H, Y = q_BxTxKxGxH.shape[-1], keys.v_BxSxKxH.shape[-1]
-        if self.cfg.attention_impl == "einsum" or H == Y:
+        if self.cfg.attention_kernel == "einsum" or H == Y:
             return super().attend(q_BxTxKxGxH, keys, bias_BxNxTxS, window, key)
         width = max(H, Y)
 
