@@ -1,22 +1,28 @@
 """One cell of the GPU table: training throughput, MFU and peak memory of one model with one
 attention implementation; `--table` turns the cells `benchmarks/gpu.sh` collected into Markdown.
 
-    python benchmarks/gpu.py --model gpt2-124m --attention cudnn [--steps 10] [--tiny]   # one JSON line
+    python benchmarks/gpu.py --model gpt2-124m --attention cudnn [--steps 10] [--tiny] [key=value ...]   # one JSON line
     python benchmarks/gpu.py --table results.jsonl                                         # the table
 
 Models at T=2048, bf16 compute with float32 parameters and AdamW state, random tokens (this measures
 the step, not the data pipeline). The step is planned first (`transformer/train/preflight.py`): a model
-whose step does not fit is retried with `model.remat=full`, and the table says which ran. MFU is
+whose step does not fit is rerun with `model.remat=full` in a fresh process (the allocator's peak
+is per process, and compiling the program that did not fit raises it: llama-1b with XLA's attention
+peaked at 103 GB after that compile, at its plan's 27.6 GB in a process of its own), and the table
+names the override. MFU is
 against the device's datasheet bf16 dense peak (`transformer/train/metrics.py`), with the model summary's
 FLOPs per token. Peak memory is the device allocator's high-water mark (`memory_stats`), which is why
 each cell runs in its own process. `--tiny` shrinks every model to a few thousand parameters so that
-the script itself can be checked on a CPU; its figures mean nothing.
+the script itself can be checked on a CPU; its figures mean nothing. Overrides after the flags
+(`model.remat=full`, `model.scan_unroll=12`, ...) change one cell, which then runs as given (no
+retry with remat) and the table names them beside the model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -59,23 +65,10 @@ TINY = [  # the same code paths, small enough for a CPU
 ]  # fmt: skip
 
 
-def config(model: str, attention: str, tiny: bool, remat: str | None = None):
-    overrides = [*COMMON, *MODELS[model], f"model.attention_impl={attention}", *(TINY if tiny else [])]
-    if remat is not None:
-        overrides.append(f"model.remat={remat}")
+def config(model: str, attention: str, tiny: bool, extra: list[str]):
+    overrides = [*COMMON, *MODELS[model], f"model.attention_impl={attention}", *(TINY if tiny else []), *extra]
     cfg = load_config(None, overrides)
     return cfg.with_vocab(preflight.vocab_size(cfg))
-
-
-def fitting_config(model: str, attention: str, tiny: bool):
-    """(config, plan): as given, else with full rematerialisation if that is what fits."""
-    target = preflight.local_target()
-    cfg = config(model, attention, tiny)
-    plan = preflight.plan(cfg, target)
-    if not plan.fits:
-        cfg = config(model, attention, tiny, remat="full")
-        plan = preflight.plan(cfg, target)
-    return cfg, plan
 
 
 def time_steps(cfg, steps: int) -> list[float]:
@@ -84,14 +77,20 @@ def time_steps(cfg, steps: int) -> list[float]:
     return stepper.steps(steps)
 
 
-def measure(model: str, attention: str, steps: int, tiny: bool) -> dict:
+def measure(model: str, attention: str, steps: int, tiny: bool, extra: list[str]) -> dict:
     device = jax.devices()[0]
     row: dict = {"model": model, "attention": attention, "device": device.device_kind, "jax": jax.__version__}
+    row |= {"overrides": extra} if extra else {}
     try:
-        cfg, plan = fitting_config(model, attention, tiny)
+        cfg = config(model, attention, tiny, extra)
+        plan = preflight.plan(cfg, preflight.local_target())
         limits.check_attention_support(cfg.model)
     except (ConfigError, preflight.OutOfMemory) as e:
         return {**row, "error": str(e)}
+    if not plan.fits and not extra:  # once more, with full rematerialisation, in a process of its own
+        sys.stdout.flush()
+        argv = [sys.executable, __file__, "--model", model, "--attention", attention, "--steps", str(steps)]
+        os.execv(sys.executable, [*argv, *(["--tiny"] if tiny else []), "model.remat=full"])
     times = time_steps(cfg, steps)
     step = statistics.median(times)
     tokens = cfg.train.batch_size * cfg.data.seq_len
@@ -128,7 +127,7 @@ def table(path: Path) -> str:
             continue
         peak = limits.human_bytes(r["peak_memory"]) if r.get("peak_memory") else "n/a"
         out.append(
-            f"| {r['model']}{' (tiny)' if r.get('tiny') else ''} | {r['attention']} | {r['params'] / 1e6:.1f}M | "
+            f"| {r['model']}{' (tiny)' if r.get('tiny') else ''}{''.join(' ' + o for o in r.get('overrides', []))} | {r['attention']} | {r['params'] / 1e6:.1f}M | "
             f"{r['batch']} | {r['remat']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {peak} | "
             f"{limits.human_bytes(r['planned_memory'])} | {r['device']} |"
         )
@@ -142,6 +141,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="tiny models, to check the script on a CPU")
     p.add_argument("--table", type=Path, default=None, help="print the Markdown table of a results.jsonl")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of this cell")
     args = p.parse_args()
     accelerator.apply_xla_gpu_flags()  # as train.py does, before JAX starts its backend
     if args.table is not None:
@@ -149,7 +149,7 @@ def main() -> None:
         return
     if args.model is None:
         p.error("give --model (or --table)")
-    print(json.dumps(measure(args.model, args.attention, args.steps, args.tiny)))
+    print(json.dumps(measure(args.model, args.attention, args.steps, args.tiny, args.overrides)))
 
 
 if __name__ == "__main__":
