@@ -189,13 +189,15 @@ def test_absorbed_decoding_equals_the_expanded_form(variant, extra):
     x_BxTxD = jax.random.normal(jax.random.key(0), (B, prompt + steps, cfg.d_model))
     positions_BxT = jnp.broadcast_to(jnp.arange(prompt + steps), (B, prompt + steps))
     size = cfg.window or cfg.max_seq_len
-    cache = module.empty_cache(B, size)
-    _, cache = Attention.__call__(module, x_BxTxD[:, :prompt], positions_BxT[:, :prompt], None, cfg.window, cache=cache)
+    _, cache = module(
+        x_BxTxD[:, :prompt], positions_BxT[:, :prompt], None, cfg.window, cache=module.empty_cache(B, size)
+    )
     for t in range(prompt, prompt + steps):
         assert module.absorbs(1, size)
-        args = (x_BxTxD[:, t : t + 1], positions_BxT[:, t : t + 1], None, cfg.window)
-        got, got_cache = module(*args, cache=cache, index=t)
-        want, want_cache = Attention.__call__(module, *args, cache=cache, index=t)
+        q_BxTxNx1xH, entries = module.project(x_BxTxD[:, t : t + 1], positions_BxT[:, t : t + 1])
+        args = (q_BxTxNx1xH, entries, positions_BxT[:, t : t + 1], cfg.window, cache, t)
+        got, got_cache = module.attend_cached(*args)
+        want, want_cache = Attention.attend_cached(module, *args)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
         assert_bitwise_equal(got_cache, want_cache)
         cache = got_cache

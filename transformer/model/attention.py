@@ -148,12 +148,31 @@ class Attention(nnx.Module):
         With `collect`, the attention statistics are sown (see `sow_stats`).
         """
         q_BxTxKxGxH, entries = self.project(x_BxTxD, positions_BxT)
+        if cache is not None and not collect:  # decoding: never dropout
+            decoded_BxTxNxH, updated = self.attend_cached(q_BxTxKxGxH, entries, positions_BxT, window, cache, index)
+            return self.output(decoded_BxTxNxH, x_BxTxD.dtype), updated
         keys, new_cache = self.keys_and_mask(entries, positions_BxT, segment_ids_BxT, window, cache, index)
         bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS)
         if collect:
             self.sow_stats(q_BxTxKxGxH, keys, bias_BxNxTxS, segment_ids_BxT, window)
         out_BxTxNxH = self.attend(q_BxTxKxGxH, keys, bias_BxNxTxS, window, key)
         return self.output(out_BxTxNxH, x_BxTxD.dtype), new_cache
+
+    def attend_cached(
+        self,
+        q_BxTxKxGxH: jax.Array,
+        entries: KVCache,
+        positions_BxT: jax.Array,
+        window: Window,
+        cache: KVCache,
+        index: int | jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Decoding: (out [B, T, N, H] of the new tokens against the cached ones and each other, the
+        cache with the new entries). MLA attends to its latents here instead (absorbed)."""
+        keys, new_cache = self.keys_and_mask(entries, positions_BxT, None, window, cache, index)
+        assert new_cache is not None
+        bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS)
+        return self.attend(q_BxTxKxGxH, keys, bias_BxNxTxS, window, None), new_cache
 
     def output(self, out_BxTxNxH: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """The heads' outputs projected back to the model width [B, T, D]."""

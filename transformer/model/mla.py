@@ -75,25 +75,22 @@ class MultiHeadLatentAttention(Attention):
         self.out = normal_param(rngs, (N, Y, D), ("heads", "head_dim", "embed"), scales.attn_out, cfg)
         self.out_bias = None  # the config refuses biases with MLA
 
-    def __call__(
+    def attend_cached(
         self,
-        x_BxTxD: jax.Array,
+        q_BxTxKxGxH: jax.Array,
+        entries: KVCache,
         positions_BxT: jax.Array,
-        segment_ids_BxT: jax.Array | None,
         window: Window,
-        key: jax.Array | None = None,
-        cache: KVCache | None = None,
-        index: int | jax.Array = 0,
-        collect: bool = False,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """As `Attention.__call__`; with a cache, in the absorbed form where that is cheaper."""
-        if cache is None or collect or not self.absorbs(x_BxTxD.shape[1], cache["pos"].shape[1]):
-            return super().__call__(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, cache, index, collect)
-        q_BxTxNx1xH, entries = self.project(x_BxTxD, positions_BxT)
+        cache: KVCache,
+        index: int | jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """As `Attention.attend_cached`, in the absorbed form where that is cheaper."""
+        if not self.absorbs(q_BxTxKxGxH.shape[1], cache["pos"].shape[1]):
+            return super().attend_cached(q_BxTxKxGxH, entries, positions_BxT, window, cache, index)
         every_BxS, k_positions_BxS = cached_and_new(cache, entries, positions_BxT)
         mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
-        out_BxTxNxY = self.attend_absorbed(q_BxTxNx1xH[:, :, :, 0], every_BxS, mask_BxTxS)
-        return self.output(out_BxTxNxY, x_BxTxD.dtype), write_cache(cache, entries, positions_BxT, index)
+        out_BxTxNxY = self.attend_absorbed(q_BxTxKxGxH[:, :, :, 0], every_BxS, mask_BxTxS)
+        return out_BxTxNxY, write_cache(cache, entries, positions_BxT, index)
 
     def absorbs(self, T: int, cached: int) -> bool:
         """Whether T new tokens against `cached` + T keys take fewer multiply-adds absorbed (per
