@@ -1,8 +1,10 @@
 """This framework's training step against the same model and optimiser in plain PyTorch, timed
-interleaved in one process, on the shapes of issue 17.
+interleaved, on the shapes of issue 17: both as a user gets it (`python train.py` with the model's
+keys and every other key at its default) and as the bare jitted step.
 
     pip install torch==2.13.0      # an optional benchmark dependency (the `benchmark` extra), never a runtime one
     python benchmarks/vs_pytorch.py [--rounds 3] [--steps 5] [--shapes small medium t128 t512 t2048]
+                                    [--train-steps 40] [--no-train-py]
 
 The model is GPT-2 style: learned positions, pre-LayerNorm, GELU (tanh) MLP of 4D, biases, tied
 embeddings, no dropout; AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1 on everything), gradient
@@ -11,20 +13,30 @@ framework computes; the padding rows are masked out of its softmax, not out of P
 are random tokens. Each round times `--steps` steps of one, then of the other, alternating which goes
 first; the figure is the median step time over all rounds. The ratio is this framework's tokens/s
 over PyTorch's (1.0 = parity); MFU is each side's training FLOPs (the framework's model summary,
-the same model for both) per second over the float32 matmul peak measured at start-up. The
-framework runs `model.attention_impl=auto` (on a CPU the blocked attention of model/flash.py) and
-its default `model.scan_unroll` (on a CPU the whole stack unrolled). Both use all the cores by
-default (`--threads` sets PyTorch's intra-op threads; on a machine loaded by other processes its
-OpenMP threads can collapse, so the load average is printed with the figures).
+the same model for both) per second over the float32 matmul peak measured at start-up. The bare
+step runs the defaults of everything but the model's keys (`model.attention_impl: auto`, on a CPU
+the blocked attention of model/flash.py; `model.scan_unroll: null`, on a CPU the whole stack
+unrolled). Both use all the cores by default (`--threads` sets PyTorch's intra-op threads; on a
+machine loaded by other processes its OpenMP threads can collapse, so the load average is printed
+with the figures).
+
+`train.py` runs once a round in its own process, on its built-in data (`builtin:stdlib`, the byte
+tokenizer), for `--train-steps` steps with the default logging (every 10 steps), monitor, prefetch,
+TensorBoard and checkpoint keys; its figure is the median of the `step_time` readings it logs to
+metrics.jsonl, the first (which holds the compile) left out, over all rounds. So the two figures
+can never drift apart: the bare step is what the inner loop costs, train.py what a user waits for.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +58,7 @@ try:
 except ImportError:  # an optional benchmark dependency
     sys.exit("benchmarks/vs_pytorch.py needs PyTorch: pip install torch==2.13.0")
 
+ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 320  # the byte tokenizer's 259, padded to a multiple of 64
 # name: (layers, d_model, heads, seq_len, batch)
 SHAPES = {
@@ -111,18 +124,23 @@ class TorchRun:
 
 
 # --- this framework --------------------------------------------------------------------------------
+def model_keys(shape: tuple[int, ...]) -> list[str]:
+    """The overrides that make the default config the PyTorch model and optimiser; nothing else."""
+    layers, d, heads, T, B = shape
+    return [
+        f"model.n_layers={layers}", f"model.d_model={d}", f"model.n_heads={heads}", f"model.n_kv_heads={heads}",
+        "model.position=learned", "model.norm=layernorm", "model.norm_position=pre", "model.ffn=gelu",
+        "model.use_bias=true", "model.tie_embeddings=true", "model.dtype=float32", f"data.seq_len={T}",
+        f"train.batch_size={B}", "optim.name=adamw", f"optim.lr={LR}", f"optim.b1={BETAS[0]}",
+        f"optim.b2={BETAS[1]}", f"optim.weight_decay={WEIGHT_DECAY}", f"optim.clip_norm={CLIP}",
+        "optim.schedule=constant", "optim.warmup_steps=0",
+    ]  # fmt: skip
+
+
 class JaxRun:
     def __init__(self, shape: tuple[int, ...], rows: np.ndarray):
-        layers, d, heads, T, B = shape
-        overrides = [
-            f"model.n_layers={layers}", f"model.d_model={d}", f"model.n_heads={heads}", f"model.n_kv_heads={heads}",
-            "model.position=learned", "model.norm=layernorm", "model.norm_position=pre", "model.ffn=gelu",
-            "model.use_bias=true", "model.tie_embeddings=true", "model.dtype=float32", f"data.seq_len={T}",
-            f"train.batch_size={B}", "optim.name=adamw", f"optim.lr={LR}", f"optim.b1={BETAS[0]}",
-            f"optim.b2={BETAS[1]}", f"optim.weight_decay={WEIGHT_DECAY}", f"optim.clip_norm={CLIP}",
-            "optim.schedule=constant", "optim.warmup_steps=0", "model.attention_impl=auto",
-        ]  # fmt: skip
-        cfg = load_config(None, overrides).with_vocab(259)
+        cfg = load_config(None, model_keys(shape)).with_vocab(259)
+        B = cfg.train.batch_size
         self.trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
         self.state = self.trainer.init(jax.random.key(0))
         self.batch = self.trainer.put_batch({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, B)
@@ -130,6 +148,31 @@ class JaxRun:
     def step(self) -> None:
         self.state, metrics = self.trainer.train_step(self.state, self.batch, default_controls())
         jax.block_until_ready(metrics)
+
+
+class TrainPy:
+    """`python train.py` on the shape, as a user runs it, once per `step` call in a fresh run directory."""
+
+    def __init__(self, shape: tuple[int, ...], steps: int, scratch: Path):
+        self.keys, self.steps, self.scratch, self.runs = model_keys(shape), steps, scratch, 0
+
+    def step_times(self) -> list[float]:
+        """The step_time readings of one whole run, the first (with the compile) left out."""
+        self.runs += 1
+        workdir = self.scratch / f"run{self.runs}"
+        command = [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *self.keys,
+            f"train.steps={self.steps}",
+            "--workdir",
+            str(workdir),
+        ]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"train.py failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+        rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+        return [r["step_time"] for r in rows if "step_time" in r][1:]
 
 
 def timed(run, steps: int) -> list[float]:
@@ -141,21 +184,26 @@ def timed(run, steps: int) -> list[float]:
     return times
 
 
-def compare(name: str, rounds: int, steps: int) -> tuple[float, float, float]:
-    """(median step seconds of this framework, of PyTorch, the model's FLOPs per step) on one
-    shape, interleaved."""
+def compare(name: str, rounds: int, steps: int, train_steps: int) -> tuple[dict[str, float], float]:
+    """({side: median step seconds} for jax, torch and (train_steps > 0) train.py, the model's FLOPs
+    per step) on one shape, interleaved round by round."""
     shape = SHAPES[name]
     rows = np.random.default_rng(0).integers(0, 259, (shape[4], shape[3] + 1)).astype(np.int32)
     runs = {"jax": JaxRun(shape, rows), "torch": TorchRun(shape, rows)}
     for run in runs.values():  # compile / warm up
         timed(run, 2)
-    times: dict[str, list[float]] = {"jax": [], "torch": []}
-    for r in range(rounds):
-        order = ["jax", "torch"] if r % 2 == 0 else ["torch", "jax"]
-        for key in order:
-            times[key] += timed(runs[key], steps)
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    with tempfile.TemporaryDirectory(prefix="vs_pytorch_") as scratch:
+        user = TrainPy(shape, train_steps, Path(scratch)) if train_steps else None
+        for r in range(rounds):
+            order = ["jax", "torch", "train.py"] if r % 2 == 0 else ["train.py", "torch", "jax"]
+            for key in order:
+                if key in runs:
+                    times[key] += timed(runs[key], steps)
+                elif user is not None:
+                    times.setdefault(key, []).extend(user.step_times())
     flops = preflight.work_per_step(runs["jax"].trainer.cfg)[1]
-    return statistics.median(times["jax"]), statistics.median(times["torch"]), flops
+    return {key: statistics.median(t) for key, t in times.items()}, flops
 
 
 def main() -> None:
@@ -164,7 +212,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="PyTorch's intra-op threads")
+    p.add_argument("--train-steps", type=int, default=40, help="steps of each train.py run (logged every 10)")
+    p.add_argument("--no-train-py", dest="train_steps", action="store_const", const=0, help="the bare step only")
     args = p.parse_args()
+    if args.train_steps and args.train_steps < 20:
+        p.error(
+            "--train-steps must be >= 20: train.py logs its step time every 10 steps and the first reading holds the compile"
+        )
     torch.set_num_threads(args.threads)
     peak = measure_cpu_matmul_peak()
     print(
@@ -172,18 +226,18 @@ def main() -> None:
         f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
         f"float32 matmul peak {peak / 1e9:.0f} GFLOP/s (measured, 512x512 in JAX)"
     )
-    print(
-        f"{'shape':<8} {'L/D/heads/T/B':<18} {'jax tok/s':>10} {'torch tok/s':>12} {'ratio':>6} {'jax MFU':>8} {'torch MFU':>10}"
-    )
+    sides = ["train.py", "jax", "torch"] if args.train_steps else ["jax", "torch"]
+    print(f"{'shape':<8} {'L/D/heads/T/B':<16}" + "".join(f" {side + ' tok/s':>14} {'MFU':>6}" for side in sides) + "".join(
+        f" {side + '/torch':>14}" for side in sides[:-1]
+    ))  # fmt: skip
     for name in args.shapes:
         layers, d, heads, T, B = SHAPES[name]
-        jax_s, torch_s, flops = compare(name, args.rounds, args.steps)
-        tokens = B * T
-        ratio = torch_s / jax_s if jax_s > 0 else math.nan
-        print(
-            f"{name:<8} {f'{layers}/{d}/{heads}/{T}/{B}':<18} {tokens / jax_s:>10,.0f} {tokens / torch_s:>12,.0f} "
-            f"{ratio:>5.2f}x {flops / jax_s / peak:>8.1%} {flops / torch_s / peak:>10.1%}"
+        seconds, flops = compare(name, args.rounds, args.steps, args.train_steps)
+        speeds = "".join(f" {B * T / seconds[s]:>14,.0f} {flops / seconds[s] / peak:>6.1%}" for s in sides)
+        ratios = "".join(
+            f" {seconds['torch'] / seconds[s] if seconds[s] > 0 else math.nan:>13.2f}x" for s in sides[:-1]
         )
+        print(f"{name:<8} {f'{layers}/{d}/{heads}/{T}/{B}':<16}{speeds}{ratios}")
 
 
 if __name__ == "__main__":
