@@ -4,14 +4,17 @@ platforms, the CPU fallback."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_run_overrides, write_corpus
+from flax import nnx
 
 from transformer import accelerator, limits, sharding
 from transformer.config import Config, ConfigError, DataConfig, ModelConfig, config_changes
 from transformer.config_loader import load_config
 from transformer.data import prepare
+from transformer.model.attention import Attention
 from transformer.train.loop import train
 
 
@@ -79,10 +82,28 @@ def test_an_unresolved_auto_dtype_computes_as_a_cpu_does():
     assert (ModelConfig().compute_dtype, ModelConfig().attention_kernel) == ("float32", "xla")
 
 
+def test_an_unresolved_auto_model_keeps_soft_capping():
+    """Soft-capping and attention dropout exist only in the einsum implementation: an unresolved
+    auto model runs it, as `choose_attention` would pick it, and so computes the cap (a cap of
+    1e-3 flattens these logits, which changes the output) exactly as a model that asks for einsum."""
+    x_BxTxD = jax.random.normal(jax.random.key(0), (2, 8, 32))
+    positions_BxT = jnp.broadcast_to(jnp.arange(8), (2, 8))
+
+    def attention(**model):
+        module = Attention(ModelConfig(d_model=32, n_heads=4, max_seq_len=16, **model), rngs=nnx.Rngs(0))
+        return module(x_BxTxD, positions_BxT, None, None)[0]
+
+    assert ModelConfig(attn_softcap=0.1).attention_kernel == "einsum"
+    assert ModelConfig(attn_dropout=0.1).attention_kernel == "einsum"
+    capped, plain = attention(attn_softcap=1e-3), attention()
+    np.testing.assert_array_equal(capped, attention(attn_softcap=1e-3, attention_impl="einsum"))
+    assert np.max(np.abs(capped - plain)) > 1e-3 * np.max(np.abs(plain))
+
+
 def test_the_default_config_runs_the_fast_attention_of_each_platform():
     """What a user who sets nothing gets: the blocked attention on a CPU (XLA's took 2.6x the step
-    at T=2048) and cuDNN's on a GPU (3x XLA's tokens/s at 4-6x less memory on an H200;
-    benchmarks/README.md). A run that saved the former default resumes under this one."""
+    at T=2048) and cuDNN's on a GPU (1.9-3.3x XLA's tokens/s on an H200, and 4-6x less memory on
+    the GPT-2 shapes; benchmarks/README.md). A run that saved the former default resumes under it."""
     cfg = load_config(None, [])
     assert cfg.model.attention_impl == "auto"
     assert accelerator.resolve(cfg, "cpu").model.attention_impl == "blocked"

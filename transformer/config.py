@@ -527,8 +527,12 @@ class ModelConfig:
     def attention_kernel(self) -> AttentionKernel:
         """The attention implementation the model runs. A run's model is built from a config that
         `accelerator.resolve` has settled (auto: blocked on a CPU, cuDNN on a GPU, where the mask allows);
-        one built straight from an unresolved config runs XLA's, the reference the others are tested against."""
-        return "xla" if self.attention_impl == "auto" else self.attention_impl
+        one built straight from an unresolved config (a test, a notebook, an HF conversion) runs XLA's,
+        or the einsum one where soft-capping or attention dropout is asked for, which only it has (as
+        `accelerator.choose_attention` decides for auto)."""
+        if self.attention_impl != "auto":
+            return self.attention_impl
+        return "einsum" if self.attn_softcap or self.attn_dropout else "xla"
 
     @property
     def n_kv_groups(self) -> int:

@@ -87,6 +87,7 @@ class MultiHeadLatentAttention(Attention):
         """As `Attention.attend_cached`, in the absorbed form where that is cheaper."""
         if not self.absorbs(q_BxTxKxGxH.shape[1], cache["pos"].shape[1]):
             return super().attend_cached(q_BxTxKxGxH, entries, positions_BxT, window, cache, index)
+        assert self.cfg.position == "rope", "the absorbed form adds no position bias: MLA is rope-only (_check_mla)"
         every_BxS, k_positions_BxS = cached_and_new(cache, entries, positions_BxT)
         mask_BxTxS = position_mask(positions_BxT, k_positions_BxS, window)
         out_BxTxNxY = self.attend_absorbed(q_BxTxKxGxH[:, :, :, 0], every_BxS, mask_BxTxS)
