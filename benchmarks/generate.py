@@ -47,6 +47,22 @@ def median_time(f, repeats):
     return statistics.median(times)
 
 
+def prefilled(model, tokens, positions, P: int, N: int):
+    """The cache after the first P tokens of one row, with room for N more."""
+    return model.decode(tokens[:, :P], positions[:, :P], model.init_cache(1, P + N), 0)[1]
+
+
+def decode_steps(model, cache, tokens, positions, P: int, N: int) -> jax.Array:
+    """Tokens P..P+N-1 decoded one at a time against the cache (a scan): the last logits of each."""
+
+    def step(cache, t):
+        new_BxT = jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1)
+        logits, cache = model.decode(new_BxT, jax.lax.dynamic_slice_in_dim(positions, t, 1, 1), cache, t)
+        return cache, logits[:, -1]
+
+    return jax.lax.scan(step, cache, jnp.arange(P, P + N))[1]
+
+
 @contextlib.contextmanager
 def expanded_mla():
     """MLA decoding as it ran before absorption: the latents expanded at every step."""
@@ -67,22 +83,13 @@ def mla_decoding(args) -> None:
     graphdef, params = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(0), (1, P + N), 0, cfg.vocab_size)
     positions = jnp.arange(P + N, dtype=jnp.int32)[None]
-    _, cache = jax.jit(
-        lambda p: nnx.merge(graphdef, p).decode(tokens[:, :P], positions[:, :P], model.init_cache(1, P + N), 0)
-    )(params)
+    cache = jax.jit(lambda p: prefilled(nnx.merge(graphdef, p), tokens, positions, P, N))(params)
 
     def compile_decode():
         """The N-token decode loop, traced now (a new function each time: jit caches traces by function)."""
 
         def decode(params, cache):
-            m = nnx.merge(graphdef, params)
-
-            def step(cache, t):
-                new_BxT = jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1)
-                logits, cache = m.decode(new_BxT, jax.lax.dynamic_slice_in_dim(positions, t, 1, 1), cache, t)
-                return cache, logits[:, -1]
-
-            return jax.lax.scan(step, cache, jnp.arange(P, P + N))[1]
+            return decode_steps(nnx.merge(graphdef, params), cache, tokens, positions, P, N)
 
         return jax.jit(decode).lower(params, cache).compile()
 
@@ -130,29 +137,17 @@ def main() -> None:
 
     @functools.partial(jax.jit, static_argnums=0)
     def prefill(graphdef, params, tokens):
-        m = nnx.merge(graphdef, params)
-        return m.decode(tokens[:, :P], positions[:, :P], m.init_cache(1, P + N), 0)
+        return prefilled(nnx.merge(graphdef, params), tokens, positions, P, N)
 
     @functools.partial(jax.jit, static_argnums=0)
     def decode(graphdef, params, cache, tokens):
-        m = nnx.merge(graphdef, params)
-
-        def step(cache, t):
-            logits, cache = m.decode(
-                jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1),
-                jax.lax.dynamic_slice_in_dim(positions, t, 1, 1),
-                cache,
-                t,
-            )
-            return cache, logits[:, -1]
-
-        return jax.lax.scan(step, cache, jnp.arange(P, P + N))[1]
+        return decode_steps(nnx.merge(graphdef, params), cache, tokens, positions, P, N)
 
     @functools.partial(jax.jit, static_argnums=0)
     def recompute(graphdef, params, tokens):  # one new token the uncached way: a full forward at length P
         return nnx.merge(graphdef, params)(tokens[:, :P])[:, -1]
 
-    _, cache = prefill(graphdef, params, tokens)
+    cache = prefill(graphdef, params, tokens)
     t_prefill = median_time(lambda: prefill(graphdef, params, tokens), args.repeats)
     t_decode = median_time(lambda: decode(graphdef, params, cache, tokens), args.repeats) / N
     t_full = median_time(lambda: recompute(graphdef, params, tokens), args.repeats)

@@ -76,7 +76,7 @@ def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
     asked for)."""
     m = cfg.model
     dtype = choose_dtype(cfg, platform)
-    if m.attn_softcap or m.attn_dropout:
+    if m.needs_einsum_attention:
         return "einsum", "attn_softcap and attn_dropout need the einsum implementation"
     mask_reasons = [
         (m.position == "alibi", "ALiBi adds a bias the cuDNN and blocked paths are not used with here"),

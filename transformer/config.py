@@ -532,7 +532,12 @@ class ModelConfig:
         `accelerator.choose_attention` decides for auto)."""
         if self.attention_impl != "auto":
             return self.attention_impl
-        return "einsum" if self.attn_softcap or self.attn_dropout else "xla"
+        return "einsum" if self.needs_einsum_attention else "xla"
+
+    @property
+    def needs_einsum_attention(self) -> bool:
+        """Soft-capping or attention dropout: only the einsum implementation has a hook for them."""
+        return bool(self.attn_softcap or self.attn_dropout)
 
     @property
     def n_kv_groups(self) -> int:

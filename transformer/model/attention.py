@@ -54,12 +54,18 @@ def attention_logits(
 ) -> jax.Array:
     """Float32 logits before masking: scaled scores, soft-capped, plus the position bias."""
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
-    scores_BxKxGxTxS = scores * cfg.scale
-    if cfg.attn_softcap is not None:
-        scores_BxKxGxTxS = cfg.attn_softcap * jnp.tanh(scores_BxKxGxTxS / cfg.attn_softcap)
+    scores_BxKxGxTxS = scaled_and_capped(scores, cfg)
     if bias_BxKxGxTxS is not None:
         scores_BxKxGxTxS = scores_BxKxGxTxS + bias_BxKxGxTxS
     return scores_BxKxGxTxS
+
+
+def scaled_and_capped(scores: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Raw float32 scores (any layout) times the attention scale, soft-capped where configured."""
+    scores = scores * cfg.scale
+    if cfg.attn_softcap is not None:
+        scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
+    return scores
 
 
 def attention_stats(logits_BxKxGxTxS: jax.Array, mask_BxTxS: jax.Array) -> dict[str, jax.Array]:

@@ -44,6 +44,7 @@ from transformer.model.attention import (
     Window,
     cached_and_new,
     position_mask,
+    scaled_and_capped,
     write_cache,
 )
 from transformer.model.layers import InitScales, Norm, normal_param
@@ -116,10 +117,7 @@ class MultiHeadLatentAttention(Attention):
         scores_BxNxTxS += jnp.einsum(
             "BTNE,BSE->BNTS", q_BxTxNxH[..., A:], k_rope_BxSxE.astype(dtype), preferred_element_type=jnp.float32
         )
-        scores_BxNxTxS = scores_BxNxTxS * cfg.scale
-        if cfg.attn_softcap is not None:
-            scores_BxNxTxS = cfg.attn_softcap * jnp.tanh(scores_BxNxTxS / cfg.attn_softcap)
-        scores_BxNxTxS = jnp.where(mask_BxTxS[:, None], scores_BxNxTxS, MASK_VALUE)
+        scores_BxNxTxS = jnp.where(mask_BxTxS[:, None], scaled_and_capped(scores_BxNxTxS, cfg), MASK_VALUE)
         probs_BxNxTxS = jax.nn.softmax(scores_BxNxTxS, axis=-1).astype(dtype)
         mixed_BxTxNxR = jnp.einsum("BNTS,BSR->BTNR", probs_BxNxTxS, latent_BxSxR)
         return jnp.einsum("BTNR,RNY->BTNY", mixed_BxTxNxR, self.wv_up[...].astype(dtype))
