@@ -233,7 +233,16 @@ def test_mup_with_muon_scales_no_learning_rate_and_keeps_the_forward_rules():
     assert scaling is not None and set(jax.tree.leaves(scaling.lr)) == {1.0}
     adam_scaling = optimizer_scaling(cfg.model, params)
     assert adam_scaling is not None and 0.5 in jax.tree.leaves(adam_scaling.lr)  # Adam's hidden lr x 1/m
-    make_optimizer(cfg.optim, 10, params, scaling, cfg.model)
+    opt = make_optimizer(cfg.optim, 10, params, scaling, cfg.model)
+    # the AdamW group's epsilon is µP's eps / m (m = 2): shown where gradients are as small as it
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-8), params)
+    embed = opt.update(grads, opt.init(params), params)[0]["embed"]
+    lr = schedule(cfg.optim, 10)
+    for eps, same in ((cfg.optim.eps / 2, True), (cfg.optim.eps, False)):
+        mask = decay_mask(params, cfg.optim.decay_embeddings)
+        adamw = optax.adamw(lr, cfg.optim.b1, cfg.optim.b2, eps, weight_decay=cfg.optim.weight_decay, mask=mask)
+        want = adamw.update(grads, adamw.init(params), params)[0]["embed"]
+        assert np.allclose(embed, want, rtol=1e-6) == same
 
 
 @pytest.mark.parametrize(

@@ -127,6 +127,8 @@ def test_init_scales_learning_rates_and_multipliers_are_the_closed_forms():
         flat["blocks/attn/qkv"] == flat["blocks/ffn/w_out"] == 0.25
         and flat["embed"] == flat["blocks/attn_norm/scale"] == 1.0
     )
+    # Adam's epsilon 1/m_d_model for every parameter: behind the 1/m readout every gradient shrinks so
+    assert set(jax.tree.leaves(optimizer_scaling(m, _params(m)).eps)) == {0.25}
 
 
 def test_the_fan_ins_follow_heads_and_ffn_width_each_on_its_own():
@@ -171,17 +173,19 @@ def test_per_parameter_multipliers_scale_the_step_its_weight_decay_and_adams_eps
     ones = {"a": 1.0, "b": {"c": 1.0}}
     plain, no_decay = update(), update(c=OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0))
     # all 1.0 is the plain chain to the last bit
-    assert _leaves_equal(update(OptimizerScaling(ones, ones, 1.0)), plain)
+    assert _leaves_equal(update(OptimizerScaling(ones, ones, ones)), plain)
     # µP: the decay rides on the learning rate's multiplier
-    rides = update(OptimizerScaling({"a": 0.25, "b": {"c": 1.0}}, {"a": 0.25, "b": {"c": 1.0}}, 1.0))
+    rides = update(OptimizerScaling({"a": 0.25, "b": {"c": 1.0}}, {"a": 0.25, "b": {"c": 1.0}}, ones))
     np.testing.assert_allclose(rides["a"], 0.25 * plain["a"], rtol=1e-6)
     np.testing.assert_array_equal(rides["b"]["c"], plain["b"]["c"])  # 1.0: untouched
     # depth scaling: its own decay multiplier, lr * (0.25 * adam + 0.5 * wd * p)
-    own = update(OptimizerScaling({"a": 0.25, "b": {"c": 1.0}}, {"a": 0.5, "b": {"c": 1.0}}, 1.0))
+    own = update(OptimizerScaling({"a": 0.25, "b": {"c": 1.0}}, {"a": 0.5, "b": {"c": 1.0}}, ones))
     np.testing.assert_allclose(own["a"], 0.25 * no_decay["a"] - 1e-2 * 0.5 * 0.1 * 1.0, rtol=1e-6)
-    # epsilon's factor: Adam's epsilon times it
+    # epsilon's factor: each parameter's Adam epsilon times its own
     big_eps = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0.1, eps=1e-8 * 1e7)
-    np.testing.assert_allclose(update(OptimizerScaling(ones, ones, 1e7))["a"], update(c=big_eps)["a"], rtol=1e-6)
+    one_big = update(OptimizerScaling(ones, ones, {"a": 1e7, "b": {"c": 1.0}}))
+    np.testing.assert_allclose(one_big["a"], update(c=big_eps)["a"], rtol=1e-6)
+    np.testing.assert_array_equal(one_big["b"]["c"], plain["b"]["c"])
     assert not np.allclose(update(c=big_eps)["a"], plain["a"])  # the factor is large enough to show
 
 
@@ -215,9 +219,9 @@ def test_depth_scalings_learning_rates_decay_epsilon_and_init_are_the_closed_for
     )
     m_n, m_l = 2.0, 4.0
     scaling = optimizer_scaling(m, _params(m))
-    lr, decay = (
+    lr, decay, eps = (
         {"/".join(str(k.key) for k in path): v for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-        for tree in (scaling.lr, scaling.decay)
+        for tree in (scaling.lr, scaling.decay, scaling.eps)
     )
     for name in ("blocks/attn/qkv", "blocks/attn/out", "blocks/ffn/w_in", "blocks/ffn/w_out"):
         assert lr[name] == pytest.approx(m_n**-1 * m_l ** (alpha - 1)) and decay[name] == pytest.approx(
@@ -225,7 +229,9 @@ def test_depth_scalings_learning_rates_decay_epsilon_and_init_are_the_closed_for
         )
     assert lr["blocks/attn_norm/scale"] == pytest.approx(m_l ** (alpha - 1))
     assert lr["embed"] == lr["final_norm/scale"] == 1.0 and decay["embed"] == 1.0
-    assert scaling.eps == pytest.approx(m_n**-1 * m_l**-alpha)
+    # Adam's epsilon: 1/m_N everywhere, and m_L^-alpha inside the blocks only (CompleteP's equation 40)
+    assert eps["blocks/attn/qkv"] == eps["blocks/attn_norm/scale"] == pytest.approx(m_n**-1 * m_l**-alpha)
+    assert eps["embed"] == eps["final_norm/scale"] == m_n**-1
     # GPT-2's depth-scaled init of the residual writes at the base depth, times µP's width factor
     scales = InitScales.of(m)
     assert scales.attn_out == pytest.approx(0.02 / np.sqrt(2 * 2) * m_n**-0.5)

@@ -22,7 +22,9 @@ and three forward multipliers: the output logits and the router logits times 1/m
 number of outputs grows as d_model, not its square root), and the attention logits scaled by
 1/d_head rather than 1/sqrt(d_head) (`ModelConfig.scale`). Hidden matrices' Adam steps shrink as 1/m
 because an update aligned with its input moves the output by fan-in times a coordinate's step; their
-init shrinks as m^-1/2 so the product stays O(1). Tied embeddings keep the input rule: the table and
+init shrinks as m^-1/2 so the product stays O(1). Adam's epsilon is times m_d_model^-1 for every
+parameter: behind the 1/m readout every gradient shrinks as 1/m, and an epsilon that did not would
+come to dominate them (as µP's and CompleteP's reference code scale it). Tied embeddings keep the input rule: the table and
 the head share it, and the 1/m logit multiplier makes the shared table's readout right. The router
 is the head's case exactly (d_model in, a fixed n_experts out), so it gets the head's rule; the
 experts are hidden matrices with their own width, shared experts included. Weight decay rides on
@@ -41,7 +43,9 @@ alpha 1/2 (depth-µP: Yang et al. 2023, "Tensor Programs VI", arXiv 2310.02244, 
 - every parameter inside a block (matrices, norm gains, biases) has its learning rate times
   m_L^(alpha-1) (1 under CompleteP, m_L^-1/2 under depth-µP); the embeddings, head and final norm
   keep theirs;
-- Adam's epsilon is times m_d_model^-1 m_L^-alpha (the gradients it is added to shrink so);
+- Adam's epsilon is times m_L^-alpha inside the blocks (their gradients pass through the branch
+  multiplier), not outside them, as the paper's equation 40 has it and the reference code does since
+  a fix (found by arXiv 2512.22382; it had put m_L^-alpha on every parameter's);
 - weight decay no longer rides on the width factor of the learning rate: a hidden matrix decays by
   lr * weight_decay * m_L^(alpha-1) whatever its width (the reference's weight_decay / width_lr).
 
@@ -158,13 +162,13 @@ def branch_multiplier(cfg: ModelConfig) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerScaling:
-    """What µP (and depth scaling) change in the optimiser: per-parameter multipliers of the
-    learning rate and of the weight decay's lr * weight_decay (trees like the parameters), and the
-    factor on Adam's epsilon."""
+    """What µP (and depth scaling) change in the optimiser, per parameter (trees like the
+    parameters): multipliers of the learning rate, of the weight decay's lr * weight_decay, and of
+    Adam's epsilon."""
 
     lr: dict
     decay: dict
-    eps: float
+    eps: dict
 
 
 def optimizer_scaling(cfg: ModelConfig, params: dict, muon: bool = False) -> OptimizerScaling | None:
@@ -176,18 +180,19 @@ def optimizer_scaling(cfg: ModelConfig, params: dict, muon: bool = False) -> Opt
         return None
     alpha = DEPTH_ALPHA[cfg.depth_scaling]
     depth_lr = cfg.depth_multiplier ** (alpha - 1.0)
+    width_eps = 1.0 / cfg.width_multipliers["d_model"]
 
-    def multipliers(path) -> tuple[float, float]:
-        """(learning-rate, decay) multiplier of the parameter at `path`."""
+    def multipliers(path) -> tuple[float, float, float]:
+        """(learning-rate, decay, epsilon) multiplier of the parameter at `path`."""
         keys = [str(getattr(k, "key", k)) for k in path]
         scaling = rule(keys[-1], experts=keys[0] == "moe_blocks" and "ffn" in keys)
         width = 1.0 if muon and scaling.matrix is not None else _power(cfg, scaling, scaling.lr)
         if cfg.depth_scaling == "none":
-            return width, width
-        depth = depth_lr if keys[0] in BLOCK_STACKS else 1.0
-        return width * depth, depth
+            return width, width, width_eps
+        if keys[0] not in BLOCK_STACKS:
+            return width, 1.0, width_eps
+        return width * depth_lr, depth_lr, width_eps * cfg.depth_multiplier**-alpha
 
-    lr = jax.tree_util.tree_map_with_path(lambda path, _: multipliers(path)[0], params)
-    decay = jax.tree_util.tree_map_with_path(lambda path, _: multipliers(path)[1], params)
-    eps = 1.0 if cfg.depth_scaling == "none" else cfg.depth_multiplier**-alpha / cfg.width_multipliers["d_model"]
+    table = jax.tree_util.tree_map_with_path(lambda path, _: multipliers(path), params)
+    lr, decay, eps = (jax.tree.map(lambda t, i=i: t[i], table, is_leaf=lambda t: isinstance(t, tuple)) for i in range(3))
     return OptimizerScaling(lr, decay, eps)

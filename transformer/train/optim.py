@@ -67,6 +67,25 @@ def scale_each(multipliers: dict) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def scale_by_adam_each(b1: float, b2: float, eps: float, factors: dict) -> optax.GradientTransformation:
+    """optax.scale_by_adam with each parameter's epsilon `eps` times its own factor (µP's and depth
+    scaling's: model/parametrization.py), written as optax writes it, so that its state is optax's
+    and with every factor 1.0 its update is optax's to the last bit."""
+    adam = optax.scale_by_adam(b1, b2, eps)
+
+    def update(updates, state, params=None):
+        mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+        nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+        count = optax.safe_increment(state.count)
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, count)
+        # sqrt(v + 0.0) as optax's eps_root of 0 has it: -0.0 + 0.0 is +0.0
+        steps = jax.tree.map(lambda m, v, c: m / (jnp.sqrt(v + 0.0) + eps * c), mu_hat, nu_hat, factors)
+        return steps, optax.ScaleByAdamState(count=count, mu=mu, nu=optax.tree.cast_like(nu, state.nu))
+
+    return optax.GradientTransformation(adam.init, update)
+
+
 def decay_each(weight_decay: float, multipliers: dict, mask: dict) -> optax.GradientTransformation:
     """Decoupled weight decay (to be scaled by the learning rate, as in AdamW) at `weight_decay` times
     each parameter's own constant, where `mask` is True. With every multiplier 1.0 it is
@@ -107,7 +126,7 @@ def make_optimizer(
         core = (
             optax.scale_by_lion(cfg.b1, cfg.b2)
             if cfg.name == "lion"
-            else optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps * scaling.eps)
+            else scale_by_adam_each(cfg.b1, cfg.b2, cfg.eps, scaling.eps)
         )
         steps = [core, scale_each(scaling.lr)]
         if cfg.name in ("adamw", "lion"):
@@ -176,11 +195,15 @@ def _muon(
 ) -> optax.GradientTransformation:
     """Muon on the hidden matrices (train/muon.py), at optim.lr with decoupled decay lr * wd * W as in
     Jordan's and Moonlight's code; AdamW on the rest at optim.muon.adam_lr, decayed where `decay_mask`
-    says, on the same schedule. Under µP every multiplier here is 1 (the spectral scale does the width
-    for the matrices, and the others' rules are 1 across width), which this checks."""
+    says, on the same schedule. Under µP every learning-rate and decay multiplier here is 1 (the
+    spectral scale does the width for the matrices, and the others' rules are 1 across width), which
+    this checks; AdamW's epsilon takes µP's one width factor."""
+    eps = cfg.eps
     if scaling is not None:
-        ones = all(c == 1.0 for c in jax.tree.leaves((scaling.lr, scaling.decay))) and scaling.eps == 1.0
+        ones = all(c == 1.0 for c in jax.tree.leaves((scaling.lr, scaling.decay)))
         assert ones, "µP under Muon scales no learning rate (config.Config refuses depth scaling with it)"
+        (factor,) = set(jax.tree.leaves(scaling.eps))  # 1/m_d_model for every parameter without depth scaling
+        eps = cfg.eps * factor
     adam_lr = schedule(dataclasses.replace(cfg, lr=cfg.muon.adam_lr or cfg.lr), total_steps)
     groups = {
         "muon": optax.chain(
@@ -192,7 +215,7 @@ def _muon(
             adam_lr,
             cfg.b1,
             cfg.b2,
-            cfg.eps,
+            eps,
             weight_decay=cfg.weight_decay,
             mask=lambda p: decay_mask(p, cfg.decay_embeddings),
         ),
