@@ -159,6 +159,28 @@ def test_mlas_latent_projections_follow_their_fan_ins_and_its_scale_is_one_over_
     assert m.qk_head_dim == 24 and m.scale == pytest.approx(12**-0.5 * 12 / 24)
 
 
+def test_the_bases_alphas_multiply_the_embedding_output_and_the_logits_and_nothing_else():
+    # powers of two, so that every product below is exact and the comparisons bitwise
+    shape = dict(d_model=64, parametrization="mup", mup_base_d_model=32, tie_embeddings=False, position="learned")
+    plain, tuned = tiny(**shape), tiny(**shape, mup_input_alpha=2.0, mup_output_alpha=0.5)
+    params = _params(plain)
+    assert _leaves_equal(params, _params(tuned))  # the alphas change no initial value
+    doubled = {**params, "embed": params["embed"] * 2, "pos_embed": params["pos_embed"] * 2}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 8)), jnp.int32)
+    outs = {}
+    for name, m, p in (("plain", plain, doubled), ("tuned", tuned, params)):
+        model = nnx.merge(nnx.graphdef(Transformer(m, rngs=nnx.Rngs(0))), p)
+        x, _ = model.forward(tokens)
+        outs[name] = (np.asarray(x), np.asarray(model.logits(x)))
+    # alpha_input 2 is the embedding tables doubled; alpha_output 0.5 halves the logits (m = 2: 1/4 against 1/2)
+    np.testing.assert_array_equal(outs["tuned"][0], outs["plain"][0])
+    vocab = plain.vocab_size  # the padding rows stay masked
+    np.testing.assert_array_equal(outs["tuned"][1][..., :vocab], outs["plain"][1][..., :vocab] * 0.5)
+    for name in ("embed", "blocks"):  # nor any learning rate
+        lrs = [optimizer_scaling(m, params).lr[name] for m in (plain, tuned)]
+        assert jax.tree.leaves(lrs[0]) == jax.tree.leaves(lrs[1])
+
+
 def test_per_parameter_multipliers_scale_the_step_its_weight_decay_and_adams_epsilon():
     from transformer.config import OptimConfig
 
@@ -289,6 +311,8 @@ def test_experts_and_the_router_follow_their_own_widths():
         (["model.parametrization=mup", "optim.name=sgd"], "optim.name"),
         (["model.parametrization=mup", "optim.name=adafactor"], "optim.name"),
         (["model.mup_base_d_model=64"], "model.mup_base_d_model"),
+        (["model.mup_output_alpha=2"], "model.mup_output_alpha"),
+        (["model.parametrization=mup", "model.mup_input_alpha=0"], "model.mup_input_alpha"),
         (["model.parametrization=mup", "model.mup_base_d_model=0"], "model.mup_base_d_model"),
         (["model.parametrization=mup", "model.d_model=96", "model.mup_base_d_model=30"], "model.mup_base_head_dim"),
     ],
@@ -307,6 +331,9 @@ def test_a_mup_run_resumes_only_as_mup_and_its_base_shape_is_saved():
     assert saved.to_dict()["model"]["mup_base_head_dim"] == 16
     unsafe, _ = config_changes(saved, load_config(None, ["model.d_model=256"]))
     assert any(line.startswith("model.parametrization") for line in unsafe)
+    tuned = load_config(None, ["model.parametrization=mup", "model.mup_output_alpha=2.5"])
+    unsafe, _ = config_changes(tuned, load_config(None, ["model.parametrization=mup"]))
+    assert any(line.startswith("model.mup_output_alpha") for line in unsafe)  # another function
     deep = [
         "model.parametrization=mup",
         "model.n_layers=8",

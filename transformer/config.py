@@ -56,6 +56,7 @@ MUP_BASE = (
     "mup_base_moe_d_ff",
     "mup_base_n_layers",
 )
+MUP_ALPHAS = ("mup_input_alpha", "mup_output_alpha")  # µP's tunable forward multipliers
 ADAM_FAMILY = ("adamw", "adam", "lion")  # the optimisers µP's Adam rules hold for (per-coordinate normalised steps)
 # The three Transformer families: decoder-only (causal LM), encoder-only (bidirectional, masked LM),
 # encoder-decoder (bidirectional encoder; causal decoder with cross-attention to it).
@@ -218,6 +219,12 @@ class ModelConfig:
     mup_base_head_dim: DerivedInt = None  # type: ignore[assignment]
     mup_base_d_ff: DerivedInt = None  # type: ignore[assignment]
     mup_base_moe_d_ff: DerivedInt = None  # type: ignore[assignment]  # with n_experts only
+    # mup only: the base's tunable forward multipliers (the Practitioner's Guide's alpha_input and
+    # alpha_output), tuned at the base like its learning rate and init_std, and transferred unchanged:
+    # the embedding output (tokens and positions) times mup_input_alpha, the logits times
+    # mup_output_alpha / m_d_model
+    mup_input_alpha: float = 1.0
+    mup_output_alpha: float = 1.0
     # how hyperparameters transfer across depth, on top of µP's width rules: none, depth_mup (branch
     # multiplier m_L^-1/2) or complete_p (m_L^-1), with m_L = n_layers / mup_base_n_layers
     depth_scaling: DepthScaling = "none"
@@ -258,7 +265,12 @@ class ModelConfig:
             )
             for name in MUP_BASE:
                 _check(getattr(self, name) is None, name, "sets µP's base shape: only with model.parametrization=mup")
+            for name in MUP_ALPHAS:
+                _check(getattr(self, name) == 1.0, name, "is a µP multiplier: only with model.parametrization=mup")
             return
+        for name in MUP_ALPHAS:
+            value = getattr(self, name)
+            _check(math.isfinite(value) and value > 0, name, f"must be a finite number > 0, got {value}")
         _check(
             self.attention != "mla" or self.q_lora_rank is None,
             "q_lora_rank",

@@ -49,6 +49,13 @@ alpha 1/2 (depth-µP: Yang et al. 2023, "Tensor Programs VI", arXiv 2310.02244, 
 - weight decay no longer rides on the width factor of the learning rate: a hidden matrix decays by
   lr * weight_decay * m_L^(alpha-1) whatever its width (the reference's weight_decay / width_lr).
 
+**What transfers is the base model's every hyperparameter**, not only its learning rate: init_std
+(the kinds' init std at the base), and the two forward multipliers a µP user tunes there beside it
+(the Practitioner's Guide's alpha_input and alpha_output: `model.mup_input_alpha` on the embedding
+output, `model.mup_output_alpha` on the logits, 1.0 by default, so that at the base shape µP is the
+standard model). A base tuned badly transfers badly: GPT-2's init_std of 0.02 was chosen for width
+768; at a base of width 32 it left every µP width at the base's slow start (benchmarks/README.md).
+
 MLA's sizes must be the ones derived from head_dim (`config.mla_sizes`), so that its latent and
 head widths scale with the model: a written size, or a low-rank query latent, would stay fixed as
 the model widens (a finite width, which is not a hidden matrix's rule), and is refused in one line.
@@ -149,9 +156,14 @@ def init_factor(cfg: ModelConfig, name: str, experts: bool = False) -> float:
 
 
 def output_multiplier(cfg: ModelConfig) -> float:
-    """What the output (and router) logits are multiplied by: 1/m of d_model under µP, 1.0 at the
-    base shape."""
+    """What the router logits are multiplied by (and the output logits, times mup_output_alpha):
+    1/m of d_model under µP, 1.0 at the base shape."""
     return 1.0 / cfg.width_multipliers["d_model"]
+
+
+def logit_multiplier(cfg: ModelConfig) -> float:
+    """What the output logits are multiplied by: the base's tuned alpha_output times the readout's 1/m."""
+    return cfg.mup_output_alpha * output_multiplier(cfg)
 
 
 def branch_multiplier(cfg: ModelConfig) -> float:

@@ -16,7 +16,7 @@ from transformer.model.cross_attention import CrossAttention, Memory
 from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param, place
 from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.moe import STEP_METRICS, MoE
-from transformer.model.parametrization import branch_multiplier, output_multiplier
+from transformer.model.parametrization import branch_multiplier, logit_multiplier
 from transformer.model.positions import positions_for
 
 # Statistics by name: scalars as one block sows them, or [L] when stacked over the layers.
@@ -354,7 +354,10 @@ class Transformer(nnx.Module):
         """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds."""
         x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
         table_PxD = None if self.pos_embed is None else self.pos_embed[...]
-        return self.positions.add_to_embeddings(x_BxTxD, positions_BxT, table_PxD)
+        x_BxTxD = self.positions.add_to_embeddings(x_BxTxD, positions_BxT, table_PxD)
+        if self.cfg.mup_input_alpha != 1.0:  # µP's tuned alpha_input (model/parametrization.py)
+            x_BxTxD = x_BxTxD * jnp.asarray(self.cfg.mup_input_alpha, x_BxTxD.dtype)
+        return x_BxTxD
 
     def run_blocks(
         self,
@@ -508,8 +511,8 @@ class Transformer(nnx.Module):
             logits_BxTxV = jnp.einsum(
                 "BTD,DV->BTV", x_BxTxD, self.head[...].astype(x_BxTxD.dtype), preferred_element_type=jnp.float32
             )
-        if cfg.parametrization == "mup":  # the readout's 1/m (model/parametrization.py), 1.0 at the base shape
-            logits_BxTxV = logits_BxTxV * output_multiplier(cfg)
+        if cfg.parametrization == "mup":  # alpha_output times the readout's 1/m (model/parametrization.py)
+            logits_BxTxV = logits_BxTxV * logit_multiplier(cfg)
         if cfg.logit_softcap is not None:
             logits_BxTxV = cfg.logit_softcap * jnp.tanh(logits_BxTxV / cfg.logit_softcap)
         if cfg.padded_vocab != cfg.vocab_size:
