@@ -59,6 +59,11 @@ def train_parser() -> argparse.ArgumentParser:
         help="with --coord-check: check across these depths (n_layers) instead of widths (depth scaling's check)",
     )
     p.add_argument("--coord-steps", type=int, default=None, metavar="N", help="with --coord-check: steps at each size")
+    p.add_argument(
+        "--grad-profile",
+        action="store_true",
+        help="one backward pass at init: each layer's gradient norm per parameter (Xiong et al.'s measurement)",
+    )
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="sweeps: run N members at once")
     p.add_argument("--print-commands", action="store_true", help="sweeps: print each member's command, run none")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for several hosts")
@@ -121,6 +126,8 @@ def train_main(argv: list[str] | None = None) -> int:
         _fail("train.py", "--topology goes with --preflight (it compiles for a TPU slice, it cannot run there)")
     if args.preflight:
         return _preflight_main([("", cfg)], args.topology)
+    if args.grad_profile:
+        return _grad_profile_main(args, [("", cfg)])
     if args.coord_check:
         from transformer.config_loader import load_raw
 
@@ -221,6 +228,36 @@ def _coord_check_main(args: argparse.Namespace, checks: list[tuple[str, dict, Co
     return code
 
 
+def _grad_profile_main(args: argparse.Namespace, configs: list[tuple[str, Config]]) -> int:
+    """`--grad-profile`: each (name, config)'s table, lines and figure in --workdir (default
+    runs/grad-profile-<config>-<time>; a sweep's members each in their own folder, and their summary
+    over placements and depths beside them)."""
+    from transformer.data import DataError
+    from transformer.train import grad_profile, summarize, write_profile, write_summary
+
+    if args.coord_check:
+        _fail("train.py", "--grad-profile and --coord-check: one check at a time")
+    name = Path(args.config).stem if args.config else "default"
+    out = Path(args.workdir) if args.workdir else Path("runs") / f"grad-profile-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    profiles = []
+    for member, cfg in configs:
+        prefix = f"{member}: " if member else ""
+        try:
+            profile = grad_profile(cfg)
+        except DataError as e:
+            _fail("train.py", f"data: {e}")
+        profiles.append((cfg, profile))
+        for line in (profile.table() if not member else []) + profile.lines():
+            print(prefix + line)
+        print(prefix + "wrote " + ", ".join(str(p) for p in write_profile(profile, out / member if member else out)))
+    summary = summarize(profiles) if len(profiles) > 1 else None
+    if summary is not None:
+        for line in summary.lines():
+            print(line)
+        print("wrote " + ", ".join(str(p) for p in write_summary(summary, profiles, out)))
+    return 0
+
+
 def _is_file(text: str) -> bool:
     """Whether `text` names a file; False also for what cannot be a path (longer than the file
     system allows: an override is often longer than 255 bytes)."""
@@ -274,6 +311,8 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
         return _sweep_dry_run(sweep)
     if args.preflight:
         return _preflight_main([(m.name, m.config) for m in sweep.members], args.topology)
+    if args.grad_profile:
+        return _grad_profile_main(args, [(m.name, m.config) for m in sweep.members])
     if args.coord_check:
         return _coord_check_main(args, [(m.name, m.raw, m.config) for m in sweep.members], sweep=True)
     workdir = Path(args.workdir) if args.workdir else Path("runs") / Path(args.config).stem

@@ -206,5 +206,7 @@ def optimizer_scaling(cfg: ModelConfig, params: dict, muon: bool = False) -> Opt
         return width * depth_lr, depth_lr, width_eps * cfg.depth_multiplier**-alpha
 
     table = jax.tree_util.tree_map_with_path(lambda path, _: multipliers(path), params)
-    lr, decay, eps = (jax.tree.map(lambda t, i=i: t[i], table, is_leaf=lambda t: isinstance(t, tuple)) for i in range(3))
+    lr, decay, eps = (
+        jax.tree.map(lambda t, i=i: t[i], table, is_leaf=lambda t: isinstance(t, tuple)) for i in range(3)
+    )
     return OptimizerScaling(lr, decay, eps)

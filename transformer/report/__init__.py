@@ -18,12 +18,20 @@ from transformer.lazy import exports
 
 if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ imports each on first use
     from transformer.report.render import write_report  # noqa: F401
-    from transformer.report.stats import Report, Run, build, load_runs, lr_sensitivity, mean_std  # noqa: F401
+    from transformer.report.stats import (  # noqa: F401
+        Report,
+        Run,
+        build,
+        load_runs,
+        lr_sensitivity,
+        mean_interval,
+        mean_std,
+    )
 
 __all__, __getattr__ = exports(
     __name__,
     {
-        "stats": ("Report", "Run", "build", "load_runs", "lr_sensitivity", "mean_std"),
+        "stats": ("Report", "Run", "build", "load_runs", "lr_sensitivity", "mean_interval", "mean_std"),
         "render": ("write_report",),
     },
 )

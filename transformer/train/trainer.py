@@ -234,6 +234,11 @@ class Trainer:
         routing = {k: v / count for k, v in routing.items()}
         return jax.tree.map(lambda g: g / count, grads), nll_sum, count, routing
 
+    def gradients(self, state: TrainState, batch: dict) -> tuple[dict, Any, Any, dict]:
+        """What `_grads` computes: the gradient the step at `state` would take on `batch`, before
+        clipping (for diagnostics, traced inside the caller's jit)."""
+        return self._grads(state, batch)
+
     def _dropout_key(self, step: jax.Array) -> jax.Array | None:
         """The step's dropout key, derived from (seed, step); None without dropout."""
         if not (self.cfg.model.dropout or self.cfg.model.attn_dropout):
