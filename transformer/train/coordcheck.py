@@ -209,8 +209,13 @@ def _figure(check: CoordCheck):
     return fig
 
 
-def write_coord_check(check: CoordCheck, out: Path) -> list[Path]:
+def write_check(out: Path, result: tuple[str, str], figure: tuple[str, Any]) -> list[Path]:
+    """A check's (file name, JSON text) and (file name, matplotlib figure) written into `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / RESULT_FILE).write_text(check.to_json())
-    _figure(check).savefig(out / FIGURE_FILE, dpi=100)
-    return [out / RESULT_FILE, out / FIGURE_FILE]
+    (out / result[0]).write_text(result[1])
+    figure[1].savefig(out / figure[0], dpi=100)
+    return [out / result[0], out / figure[0]]
+
+
+def write_coord_check(check: CoordCheck, out: Path) -> list[Path]:
+    return write_check(out, (RESULT_FILE, check.to_json()), (FIGURE_FILE, _figure(check)))

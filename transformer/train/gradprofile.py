@@ -31,6 +31,7 @@ from transformer.config import Config
 from transformer.data import prepare
 from transformer.model import layer_slots
 from transformer.report import mean_interval
+from transformer.train.coordcheck import write_check
 from transformer.train.trainer import Trainer
 
 PROFILE_FILE, FIGURE_FILE = "grad_profile.json", "grad_profile.png"
@@ -157,10 +158,7 @@ def _profile_figure(profile: GradProfile):
 
 
 def write_profile(profile: GradProfile, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / PROFILE_FILE).write_text(profile.to_json())
-    _profile_figure(profile).savefig(out / FIGURE_FILE, dpi=100)
-    return [out / PROFILE_FILE, out / FIGURE_FILE]
+    return write_check(out, (PROFILE_FILE, profile.to_json()), (FIGURE_FILE, _profile_figure(profile)))
 
 
 @dataclasses.dataclass
@@ -261,7 +259,4 @@ def _summary_figure(summary: Summary, profiles: list[tuple[Config, GradProfile]]
 
 
 def write_summary(summary: Summary, profiles: list[tuple[Config, GradProfile]], out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / SUMMARY_FILE).write_text(summary.to_json())
-    _summary_figure(summary, profiles).savefig(out / SUMMARY_FIGURE, dpi=100)
-    return [out / SUMMARY_FILE, out / SUMMARY_FIGURE]
+    return write_check(out, (SUMMARY_FILE, summary.to_json()), (SUMMARY_FIGURE, _summary_figure(summary, profiles)))
