@@ -271,6 +271,23 @@ def test_a_member_with_another_config_in_its_directory_is_refused(tmp_path):
     assert not (member / "events.jsonl").exists()  # refused before anything ran
 
 
+def test_a_member_whose_run_config_cannot_be_read_is_one_line_naming_it(tmp_path):
+    """Another version's config (a key this one does not know) or a damaged one: refused before
+    anything runs, the run directory as it was."""
+    from transformer.sweep import prepare_sweep as prepare
+
+    s = sweep({"grid": {"optim.lr": [1e-3]}})
+    (member,) = s.members
+    (tmp_path / member.name).mkdir()
+    rundir.write_config(tmp_path / member.name, member.config)
+    path = tmp_path / member.name / rundir.CONFIG
+    written = path.read_text().replace("model:\n", "model:\n  from_a_later_version: 1\n", 1)
+    path.write_text(written)
+    with pytest.raises(SweepError, match=r"sweep member lr-0\.001: .*from_a_later_version.*new --workdir") as e:
+        prepare(s, tmp_path)
+    assert "\n" not in str(e.value) and path.read_text() == written
+
+
 def test_a_member_leaving_the_dtype_to_auto_is_not_refused_for_the_dtype_its_run_recorded(tmp_path):
     """A run directory records the dtype auto chose where it ran; re-preparing the sweep leaves that
     to the member's own train.py (which knows its machine) and still refuses a change of shape."""

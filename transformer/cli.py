@@ -340,7 +340,10 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     if not outcome.interrupted:  # an interrupted sweep is compared once a rerun has finished it
         from transformer.report import write_report
 
-        report = write_report(workdir)
+        try:
+            report = write_report(workdir)
+        except ConfigError as e:  # the members' runs are safe; only the comparison cannot be read
+            _fail("train.py", f"report: a run's config: {e}")
         print(f"report: {relative(report)}")
     closing = outcome.closing_line()
     if closing is not None:

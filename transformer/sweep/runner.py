@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from transformer import rundir
-from transformer.config import ROOT, Config, config_changes
+from transformer.config import ROOT, Config, ConfigError, config_changes
 from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 from transformer.rundir import FINAL, atomic_write, read_events
 from transformer.sweep.claims import STALE_AFTER, Claim, claim_path, is_stale, read_claim
@@ -60,7 +60,10 @@ def prepare_sweep(sweep: Sweep, workdir: Path) -> dict[str, str]:
     directory holds a run of a different config. Returns each member's status."""
     for m in sweep.members:
         if rundir.has_config(workdir / m.name):
-            saved = rundir.read_config(workdir / m.name)
+            try:
+                saved = rundir.read_config(workdir / m.name)
+            except ConfigError as e:  # another version's or a damaged config: its run stays as it is
+                raise SweepError("", f"sweep member {m.name}: {e}; use a new --workdir") from None
             unsafe, _ = config_changes(saved, _as_saved_dtype(m.config, saved).with_vocab(saved.model.vocab_size))
             if unsafe:
                 raise SweepError(
