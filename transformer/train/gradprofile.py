@@ -170,8 +170,8 @@ class Summary:
     ratios: dict[str, dict[int, list[float]]]
 
     def slope(self, placement: str) -> tuple[float, float, float] | None:
-        """The slope of log(mean ratio) against log depth: (slope, 95% interval over seeds), each
-        seed's own slope; None under two depths."""
+        """The slope of log ratio against log depth, fitted for each seed on its own: (their mean,
+        its 95% t-interval; nan with one seed), None under two depths."""
         by_depth = self.ratios[placement]
         depths = sorted(by_depth)
         seeds = min(len(v) for v in by_depth.values()) if depths else 0
@@ -194,7 +194,9 @@ class Summary:
                 interval = (
                     f" (95% interval {fit[1]:+.2f} to {fit[2]:+.2f}, {seeds} seeds)" if seeds > 1 else " (1 seed)"
                 )
-                line += f"; grows as L^{fit[0]:.2f}{interval}; Xiong et al. predict L^{PREDICTED_SLOPE} for post / pre"
+                line += f"; grows as L^{fit[0]:.2f}{interval}"
+                if placement == "post":
+                    line += f"; Xiong et al. predict L^{PREDICTED_SLOPE}"
             out.append(line)
         return out
 
@@ -235,21 +237,24 @@ def _summary_figure(summary: Summary, profiles: list[tuple[Config, GradProfile]]
     fig = Figure(figsize=(10, 4), layout="constrained")
     left, right = fig.subplots(1, 2)
     deepest = max(cfg.model.n_layers for cfg, _ in profiles)
+    placements = list(dict.fromkeys(cfg.model.norm_position for cfg, _ in profiles))
+    color = {p: f"C{i}" for i, p in enumerate(placements)}  # one colour per placement in both panels
     shown: set[str] = set()
     for cfg, profile in profiles:
         if cfg.model.n_layers == deepest and cfg.model.norm_position not in shown:
             shown.add(cfg.model.norm_position)
             norms = profile.group("FFN")
-            left.plot(range(1, len(norms) + 1), norms, marker=".", label=cfg.model.norm_position)
+            label = cfg.model.norm_position
+            left.plot(range(1, len(norms) + 1), norms, marker=".", color=color[label], label=label)
     left.set(yscale="log", xlabel="layer", ylabel="FFN gradient norm at init", title=f"{deepest} layers")
     left.legend(fontsize=7)
     for placement, by_depth in summary.ratios.items():
         depths = sorted(by_depth)
         means = [float(np.mean(by_depth[d])) for d in depths]
-        line = right.plot(depths, means, marker="o", label=f"{placement} / pre")[0]
+        right.plot(depths, means, marker="o", color=color[placement], label=f"{placement} / pre")
         if placement == "post" and depths:
             reference = means[0] * np.sqrt(np.asarray(depths) / depths[0])
-            right.plot(depths, reference, ls="--", color=line.get_color(), label="sqrt(L) (Xiong et al.)")
+            right.plot(depths, reference, ls="--", color=color[placement], label="sqrt(L) (Xiong et al.)")
     right.set(xscale="log", yscale="log", xlabel="layers", ylabel="last layer's FFN gradient / Pre-LN's")
     depths = sorted({cfg.model.n_layers for cfg, _ in profiles})
     right.set_xticks(depths, [str(d) for d in depths], minor=False)
