@@ -238,7 +238,7 @@ def _summary_figure(summary: Summary, profiles: list[tuple[Config, GradProfile]]
     left, right = fig.subplots(1, 2)
     deepest = max(cfg.model.n_layers for cfg, _ in profiles)
     placements = list(dict.fromkeys(cfg.model.norm_position for cfg, _ in profiles))
-    color = {p: f"C{i}" for i, p in enumerate(placements)}  # one colour per placement in both panels
+    color: dict[str, str] = {p: f"C{i}" for i, p in enumerate(placements)}  # one colour per placement in both panels
     shown: set[str] = set()
     for cfg, profile in profiles:
         if cfg.model.n_layers == deepest and cfg.model.norm_position not in shown:
