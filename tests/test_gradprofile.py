@@ -14,8 +14,9 @@ import pytest
 from transformer import sharding
 from transformer.config_loader import load_config
 from transformer.model import layer_slots
+from transformer.report.gradients import summarize_gradients
 from transformer.train import Trainer
-from transformer.train.gradprofile import GradProfile, profile_of, summarize
+from transformer.train.gradprofile import GradProfile, profile_of
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -92,7 +93,7 @@ def test_the_summary_ratio_and_slope_are_the_closed_forms():
                     None, [f"model.norm_position={placement}", f"model.n_layers={layers}", f"train.seed={seed}"]
                 )
                 profiles.append((cfg, _profile(last, layers)))
-    summary = summarize(profiles)
+    summary = summarize_gradients(profiles)
     assert summary is not None
     for layers in (2, 8, 32):
         np.testing.assert_allclose(summary.ratios["post"][layers], [0.1 * np.sqrt(layers)] * 2, rtol=1e-12)
@@ -100,7 +101,7 @@ def test_the_summary_ratio_and_slope_are_the_closed_forms():
     assert slope == pytest.approx(0.5) and low == pytest.approx(0.5) and high == pytest.approx(0.5)
     assert any("post / pre" in line and "L^0.50" in line for line in summary.lines())
     # without a Pre-LN member there is nothing to compare with
-    assert summarize([p for p in profiles if p[0].model.norm_position != "pre"]) is None
+    assert summarize_gradients([p for p in profiles if p[0].model.norm_position != "pre"]) is None
 
 
 @pytest.mark.slow

@@ -233,7 +233,8 @@ def _grad_profile_main(args: argparse.Namespace, configs: list[tuple[str, Config
     runs/grad-profile-<config>-<time>; a sweep's members each in their own folder, and their summary
     over placements and depths beside them)."""
     from transformer.data import DataError
-    from transformer.train import grad_profile, summarize, write_profile, write_summary
+    from transformer.report import summarize_gradients, write_gradient_summary
+    from transformer.train import grad_profile, write_profile
 
     if args.coord_check:
         _fail("train.py", "--grad-profile and --coord-check: one check at a time")
@@ -250,11 +251,11 @@ def _grad_profile_main(args: argparse.Namespace, configs: list[tuple[str, Config
         for line in (profile.table() if not member else []) + profile.lines():
             print(prefix + line)
         print(prefix + "wrote " + ", ".join(str(p) for p in write_profile(profile, out / member if member else out)))
-    summary = summarize(profiles) if len(profiles) > 1 else None
+    summary = summarize_gradients(profiles) if len(profiles) > 1 else None
     if summary is not None:
         for line in summary.lines():
             print(line)
-        print("wrote " + ", ".join(str(p) for p in write_summary(summary, profiles, out)))
+        print("wrote " + ", ".join(str(p) for p in write_gradient_summary(summary, profiles, out)))
     return 0
 
 
@@ -300,7 +301,7 @@ def _train_job(cfg: Config, workdir: Path) -> int:
 
 def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     from transformer.rundir import Busy
-    from transformer.sweep import SweepError, print_commands, relative, run_sweep
+    from transformer.sweep import SweepError, print_commands, run_sweep
 
     if args.parallel < 1:
         _fail("train.py", f"--parallel must be >= 1, got {args.parallel}")
@@ -338,17 +339,22 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     except Busy as e:  # another sweep runs in this directory
         _fail("train.py", str(e))
     if not outcome.interrupted:  # an interrupted sweep is compared once a rerun has finished it
-        from transformer.report import write_report
-
-        try:
-            report = write_report(workdir)
-        except ConfigError as e:  # the members' runs are safe; only the comparison cannot be read
-            _fail("train.py", f"report: a run's config: {e}")
-        print(f"report: {relative(report)}")
+        _write_sweep_report(workdir)
     closing = outcome.closing_line()
     if closing is not None:
         print(closing)
     return outcome.exit_code
+
+
+def _write_sweep_report(workdir: Path) -> None:
+    from transformer.report import write_report
+    from transformer.sweep import relative
+
+    try:
+        report = write_report(workdir)
+    except ConfigError as e:  # the members' runs are safe; only the comparison cannot be read
+        _fail("train.py", f"report: a run's config: {e}")
+    print(f"report: {relative(report)}")
 
 
 def _dry_run(cfg: Config) -> int:

@@ -265,12 +265,9 @@ class ModelConfig:
             )
             for name in MUP_BASE:
                 _check(getattr(self, name) is None, name, "sets µP's base shape: only with model.parametrization=mup")
-            for name in MUP_ALPHAS:
-                _check(getattr(self, name) == 1.0, name, "is a µP multiplier: only with model.parametrization=mup")
+            self._check_mup_alphas()
             return
-        for name in MUP_ALPHAS:
-            value = getattr(self, name)
-            _check(math.isfinite(value) and value > 0, name, f"must be a finite number > 0, got {value}")
+        self._check_mup_alphas()
         _check(
             self.attention != "mla" or self.q_lora_rank is None,
             "q_lora_rank",
@@ -305,6 +302,14 @@ class ModelConfig:
         for name in MUP_BASE:
             value = getattr(self, name)
             _check(value is None or value >= 1, name, f"must be >= 1, got {value}")
+
+    def _check_mup_alphas(self) -> None:
+        """µP's tunable multipliers: finite and positive, and 1.0 (none) without µP."""
+        for name in MUP_ALPHAS:
+            value = getattr(self, name)
+            if self.parametrization != "mup":
+                _check(value == 1.0, name, "is a µP multiplier: only with model.parametrization=mup")
+            _check(math.isfinite(value) and value > 0, name, f"must be a finite number > 0, got {value}")
 
     def _resolve_depth_base(self) -> None:
         """The base depth of depth_mup and complete_p, and the blocks their branch multiplier fits."""

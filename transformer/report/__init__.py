@@ -5,6 +5,8 @@ above it in this list:
   budget-matched losses, stability events, LR sensitivity, the verdict); numpy only;
 - `tuned.py`: each level of the compared key at its own best learning rate (final loss, its
   difference from the first level's paired by seed, steps to reach the first level's final loss);
+- `gradients.py`: a sweep's gradient profiles at initialisation side by side over norm placements
+  and depths (Xiong et al.'s ratio of Post-LN's last-layer gradient over Pre-LN's, against depth);
 - `plots.py`: their figures (matplotlib's object API, no pyplot state);
 - `render.py`: the tables and the Markdown/HTML report (`write_report(DIR)`), with the figures.
 
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 from transformer.lazy import exports
 
 if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ imports each on first use
+    from transformer.report.gradients import summarize_gradients, write_gradient_summary  # noqa: F401
     from transformer.report.render import write_report  # noqa: F401
     from transformer.report.stats import (  # noqa: F401
         Report,
@@ -32,6 +35,7 @@ __all__, __getattr__ = exports(
     __name__,
     {
         "stats": ("Report", "Run", "build", "load_runs", "lr_sensitivity", "mean_interval", "mean_std"),
+        "gradients": ("summarize_gradients", "write_gradient_summary"),
         "render": ("write_report",),
     },
 )

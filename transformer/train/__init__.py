@@ -14,8 +14,7 @@ those above it in this list (or none of them):
   parametrization beside it; depth scaling's, without it beside it; a sweep's distinct models each
   once);
 - `gradprofile.py`: `--grad-profile`, each layer's gradient norm per parameter after one backward
-  pass at initialisation (Xiong et al.'s measurement), and a sweep's profiles side by side over
-  norm placements and depths;
+  pass at initialisation (Xiong et al.'s measurement; report/gradients.py compares a sweep's);
 - `monitor.py`: spike and divergence detection, the recovery state replayed from events, faults;
 - `metrics.py`, `feed.py`, `signals.py`, `profile.py`, `wandb_sink.py`: the throughput/MFU meter
   and progress bar, batches made ahead on a thread, SIGTERM/SIGINT as a request to stop, the
@@ -40,7 +39,7 @@ if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ import
         run_coord_check,
         write_coord_check,
     )
-    from transformer.train.gradprofile import grad_profile, summarize, write_profile, write_summary  # noqa: F401
+    from transformer.train.gradprofile import GradProfile, grad_profile, write_profile  # noqa: F401
     from transformer.train.job import run  # noqa: F401
     from transformer.train.monitor import MonitorStop  # noqa: F401
     from transformer.train.preflight import OutOfMemory, run_preflight  # noqa: F401
@@ -52,7 +51,7 @@ __all__, __getattr__ = exports(
     __name__,
     {
         "coordcheck": ("COORD_STEPS", "COORD_WIDTHS", "distinct_models", "run_coord_check", "write_coord_check"),
-        "gradprofile": ("grad_profile", "summarize", "write_profile", "write_summary"),
+        "gradprofile": ("GradProfile", "grad_profile", "write_profile"),
         "job": ("run",),
         "monitor": ("MonitorStop",),
         "preflight": ("OutOfMemory", "run_preflight"),

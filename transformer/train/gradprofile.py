@@ -9,17 +9,13 @@ so Post-LN's is the larger by ~sqrt(L), and under Post-LN the gradient grows tow
 Pre-LN's stays level across layers: why Post-LN needs a learning-rate warm-up and Pre-LN does not.
 
 On a sweep file (`configs/ablations/xiong.yaml`: placements x depths x seeds) each member is profiled
-into its own folder, and the summary (`summarize`) sets them side by side: each depth's gradient
-norms against layer index, a line per placement, and the ratio of the last layer's FFN gradient
-norm of each placement over Pre-LN's against depth, with its slope in log-log beside the paper's
-1/2, as a mean over seeds with a 95% t-interval.
+into its own folder, and report/gradients.py sets them side by side.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections import defaultdict
 from pathlib import Path
 
 import jax
@@ -30,14 +26,11 @@ from transformer import sharding
 from transformer.config import Config
 from transformer.data import prepare
 from transformer.model import layer_slots
-from transformer.report import mean_interval
 from transformer.train.coordcheck import write_check
 from transformer.train.trainer import Trainer
 
 PROFILE_FILE, FIGURE_FILE = "grad_profile.json", "grad_profile.png"
-SUMMARY_FILE, SUMMARY_FIGURE = "grad_profile_summary.json", "grad_profile_summary.png"
 GROUPS = {"attention": "attn/", "FFN": "ffn/", "all": ""}  # a layer's parameters, by path prefix
-PREDICTED_SLOPE = 0.5  # Xiong et al.: the Post-LN / Pre-LN ratio of the last layer's FFN gradient ~ sqrt(L)
 
 
 @dataclasses.dataclass
@@ -159,109 +152,3 @@ def _profile_figure(profile: GradProfile):
 
 def write_profile(profile: GradProfile, out: Path) -> list[Path]:
     return write_check(out, (PROFILE_FILE, profile.to_json()), (FIGURE_FILE, _profile_figure(profile)))
-
-
-@dataclasses.dataclass
-class Summary:
-    """A sweep's profiles side by side: per placement, per depth, the last layer's FFN gradient norm
-    of each seed, and its ratio over Pre-LN's at the same depth and seed."""
-
-    last_ffn: dict[str, dict[int, list[float]]]
-    ratios: dict[str, dict[int, list[float]]]
-
-    def slope(self, placement: str) -> tuple[float, float, float] | None:
-        """The slope of log ratio against log depth, fitted for each seed on its own: (their mean,
-        its 95% t-interval; nan with one seed), None under two depths."""
-        by_depth = self.ratios[placement]
-        depths = sorted(by_depth)
-        seeds = min(len(v) for v in by_depth.values()) if depths else 0
-        if len(depths) < 2 or not seeds:
-            return None
-        x = np.log(depths)
-        per_seed = [float(np.polyfit(x, np.log([by_depth[d][s] for d in depths]), 1)[0]) for s in range(seeds)]
-        return mean_interval(per_seed) if seeds > 1 else (per_seed[0], float("nan"), float("nan"))
-
-    def lines(self) -> list[str]:
-        out = []
-        for placement, by_depth in self.ratios.items():
-            depths = sorted(by_depth)
-            means = [float(np.mean(by_depth[d])) for d in depths]
-            text = ", ".join(f"L={d} {m:.3g}" for d, m in zip(depths, means))
-            line = f"{placement} / pre, last layer's FFN gradient norm at init: {text}"
-            fit = self.slope(placement)
-            if fit is not None:
-                seeds = min(len(v) for v in by_depth.values())
-                interval = (
-                    f" (95% interval {fit[1]:+.2f} to {fit[2]:+.2f}, {seeds} seeds)" if seeds > 1 else " (1 seed)"
-                )
-                line += f"; grows as L^{fit[0]:.2f}{interval}"
-                if placement == "post":
-                    line += f"; Xiong et al. predict L^{PREDICTED_SLOPE}"
-            out.append(line)
-        return out
-
-    def to_json(self) -> str:
-        slopes = {p: self.slope(p) for p in self.ratios}
-        return json.dumps({"last_ffn": self.last_ffn, "ratios": self.ratios, "slopes": slopes})
-
-
-def summarize(profiles: list[tuple[Config, GradProfile]]) -> Summary | None:
-    """The summary of a sweep's profiles over placements and depths, or None where it has no Pre-LN
-    member to compare with (members at the same placement, depth and seed: the first counts)."""
-    last: dict[str, dict[int, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
-    for cfg, profile in profiles:
-        cell = last[cfg.model.norm_position][cfg.model.n_layers]
-        cell.setdefault(cfg.train.seed, profile.group("FFN")[-1])
-    if "pre" not in last:
-        return None
-    ratios: dict[str, dict[int, list[float]]] = {}
-    for placement, by_depth in last.items():
-        if placement == "pre":
-            continue
-        shared = {
-            depth: [seeds[s] / last["pre"][depth][s] for s in sorted(seeds) if s in last["pre"].get(depth, {})]
-            for depth, seeds in sorted(by_depth.items())
-        }
-        ratios[placement] = {depth: r for depth, r in shared.items() if r}
-    last_ffn = {
-        p: {d: [v for _, v in sorted(seeds.items())] for d, seeds in sorted(b.items())} for p, b in last.items()
-    }
-    return Summary(last_ffn, ratios)
-
-
-def _summary_figure(summary: Summary, profiles: list[tuple[Config, GradProfile]]):
-    """Left: the deepest depth's FFN gradient norm against layer index, a line per placement (first
-    seed). Right: each placement's last-layer ratio over Pre-LN against depth, sqrt(L) dashed."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 4), layout="constrained")
-    left, right = fig.subplots(1, 2)
-    deepest = max(cfg.model.n_layers for cfg, _ in profiles)
-    placements = list(dict.fromkeys(cfg.model.norm_position for cfg, _ in profiles))
-    color: dict[str, str] = {p: f"C{i}" for i, p in enumerate(placements)}  # one colour per placement in both panels
-    shown: set[str] = set()
-    for cfg, profile in profiles:
-        if cfg.model.n_layers == deepest and cfg.model.norm_position not in shown:
-            shown.add(cfg.model.norm_position)
-            norms = profile.group("FFN")
-            label = cfg.model.norm_position
-            left.plot(range(1, len(norms) + 1), norms, marker=".", color=color[label], label=label)
-    left.set(yscale="log", xlabel="layer", ylabel="FFN gradient norm at init", title=f"{deepest} layers")
-    left.legend(fontsize=7)
-    for placement, by_depth in summary.ratios.items():
-        depths = sorted(by_depth)
-        means = [float(np.mean(by_depth[d])) for d in depths]
-        right.plot(depths, means, marker="o", color=color[placement], label=f"{placement} / pre")
-        if placement == "post" and depths:
-            reference = means[0] * np.sqrt(np.asarray(depths) / depths[0])
-            right.plot(depths, reference, ls="--", color=color[placement], label="sqrt(L) (Xiong et al.)")
-    right.set(xscale="log", yscale="log", xlabel="layers", ylabel="last layer's FFN gradient / Pre-LN's")
-    depths = sorted({cfg.model.n_layers for cfg, _ in profiles})
-    right.set_xticks(depths, [str(d) for d in depths], minor=False)
-    right.minorticks_off()
-    right.legend(fontsize=7)
-    return fig
-
-
-def write_summary(summary: Summary, profiles: list[tuple[Config, GradProfile]], out: Path) -> list[Path]:
-    return write_check(out, (SUMMARY_FILE, summary.to_json()), (SUMMARY_FIGURE, _summary_figure(summary, profiles)))
