@@ -21,20 +21,12 @@ from transformer.lazy import exports
 if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ imports each on first use
     from transformer.report.gradients import summarize_gradients, write_gradient_summary  # noqa: F401
     from transformer.report.render import write_report  # noqa: F401
-    from transformer.report.stats import (  # noqa: F401
-        Report,
-        Run,
-        build,
-        load_runs,
-        lr_sensitivity,
-        mean_interval,
-        mean_std,
-    )
+    from transformer.report.stats import Report, Run, build, load_runs, lr_sensitivity, mean_std  # noqa: F401
 
 __all__, __getattr__ = exports(
     __name__,
     {
-        "stats": ("Report", "Run", "build", "load_runs", "lr_sensitivity", "mean_interval", "mean_std"),
+        "stats": ("Report", "Run", "build", "load_runs", "lr_sensitivity", "mean_std"),
         "gradients": ("summarize_gradients", "write_gradient_summary"),
         "render": ("write_report",),
     },

@@ -27,7 +27,7 @@ from transformer.config import Config
 from transformer.data import prepare
 from transformer.model import layer_slots
 from transformer.train.coordcheck import write_check
-from transformer.train.trainer import Trainer
+from transformer.train.trainer import Trainer, per_layer_norm
 
 PROFILE_FILE, FIGURE_FILE = "grad_profile.json", "grad_profile.png"
 GROUPS = {"attention": "attn/", "FFN": "ffn/", "all": ""}  # a layer's parameters, by path prefix
@@ -51,7 +51,7 @@ class GradProfile:
 
     def group(self, name: str, stack: str = "main") -> list[float]:
         """Per layer, the norm of the gradient of the layer's parameters in `GROUPS[name]`."""
-        norms: dict[str, list[float | None]] = dict(self.norms if stack == "main" else self.encoder)
+        norms = self.norms if stack == "main" else self.encoder
         rows = [v for k, v in norms.items() if k.startswith(GROUPS[name])]
         layers = len(next(iter(norms.values())))
         column = [[row[i] for row in rows] for i in range(layers)]
@@ -92,10 +92,9 @@ def _gradient_norms(trainer: Trainer, state, batch) -> tuple[dict, jax.Array]:
     grads, nll_sum, count, _ = trainer.gradients(state, batch)
 
     def norm(path, g):
-        g = g.astype(jnp.float32)
         if str(path[0].key).endswith("blocks"):
-            return jnp.sqrt(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1))
-        return jnp.sqrt(jnp.sum(jnp.square(g)))
+            return per_layer_norm(g)
+        return jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
 
     return jax.tree_util.tree_map_with_path(norm, grads), nll_sum / count
 

@@ -52,7 +52,7 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def _per_layer_norm(tree) -> jax.Array:
+def per_layer_norm(tree) -> jax.Array:
     """[L]: the norm of each layer's slice of a tree whose leaves are stacked on a leading layer axis."""
     leaves = jax.tree.leaves(tree)
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.reshape(x.shape[0], -1).astype(jnp.float32)), axis=1) for x in leaves))
@@ -88,16 +88,16 @@ def _per_layer_metrics(cfg: Config, grads: dict, updates: dict, params: dict) ->
 
     stacks = {stack for stack, _ in slots}
     out = {
-        "grad_norm_attn": in_layer_order({s: _per_layer_norm(grads[s]["attn"]) for s in stacks}),
-        "grad_norm_ffn": in_layer_order({s: _per_layer_norm(grads[s]["ffn"]) for s in stacks}),
-        "update_ratio": in_layer_order({s: _per_layer_norm(updates[s]) / _per_layer_norm(params[s]) for s in stacks}),
+        "grad_norm_attn": in_layer_order({s: per_layer_norm(grads[s]["attn"]) for s in stacks}),
+        "grad_norm_ffn": in_layer_order({s: per_layer_norm(grads[s]["ffn"]) for s in stacks}),
+        "update_ratio": in_layer_order({s: per_layer_norm(updates[s]) / per_layer_norm(params[s]) for s in stacks}),
     }
     if "cross_attn" in grads.get("blocks", {}):  # an encoder-decoder's decoder layers, and its encoder's
-        out["grad_norm_cross_attn"] = _per_layer_norm(grads["blocks"]["cross_attn"])
+        out["grad_norm_cross_attn"] = per_layer_norm(grads["blocks"]["cross_attn"])
         encoder = "encoder_blocks"
-        out["encoder_grad_norm_attn"] = _per_layer_norm(grads[encoder]["attn"])
-        out["encoder_grad_norm_ffn"] = _per_layer_norm(grads[encoder]["ffn"])
-        out["encoder_update_ratio"] = _per_layer_norm(updates[encoder]) / _per_layer_norm(params[encoder])
+        out["encoder_grad_norm_attn"] = per_layer_norm(grads[encoder]["attn"])
+        out["encoder_grad_norm_ffn"] = per_layer_norm(grads[encoder]["ffn"])
+        out["encoder_update_ratio"] = per_layer_norm(updates[encoder]) / per_layer_norm(params[encoder])
     return out
 
 
@@ -187,7 +187,7 @@ class Trainer:
     def _train_step(self, state: TrainState, batch: dict, controls: dict) -> tuple[TrainState, dict]:
         """One update. `controls` (see `default_controls`) carry the host's decisions into the step:
         learning-rate scale, the skip limits of the monitor, injected NaN gradients."""
-        grads, nll_sum, count, routing = self._grads(state, batch)
+        grads, nll_sum, count, routing = self.gradients(state, batch)
         grads = jax.tree.map(lambda g: jnp.where(controls["nan_grads"], jnp.nan, g), grads)  # fault injection
         loss, grad_norm = nll_sum / count, optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -209,7 +209,7 @@ class Trainer:
             metrics.update(_per_layer_metrics(self.cfg, grads, updates, state.params))
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    def _grads(self, state: TrainState, batch: dict) -> tuple[dict, Any, Any, dict]:
+    def gradients(self, state: TrainState, batch: dict) -> tuple[dict, Any, Any, dict]:
         """(gradients of the mean objective, nll sum, token count, the MoE routing metrics averaged
         over tokens) of the batch, accumulated over `train.grad_accum` micro-batches."""
         accum = self.cfg.train.grad_accum
@@ -233,11 +233,6 @@ class Trainer:
         # The objective is a sum over tokens: divide once, so accumulation equals one big batch.
         routing = {k: v / count for k, v in routing.items()}
         return jax.tree.map(lambda g: g / count, grads), nll_sum, count, routing
-
-    def gradients(self, state: TrainState, batch: dict) -> tuple[dict, Any, Any, dict]:
-        """What `_grads` computes: the gradient the step at `state` would take on `batch`, before
-        clipping (for diagnostics, traced inside the caller's jit)."""
-        return self._grads(state, batch)
 
     def _dropout_key(self, step: jax.Array) -> jax.Array | None:
         """The step's dropout key, derived from (seed, step); None without dropout."""
