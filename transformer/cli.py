@@ -379,6 +379,12 @@ def _sweep_dry_run(sweep: Sweep) -> int:
         values = ", ".join(f"{k}={v}" for k, v in {**m.labels, **m.values}.items())
         print(f"{m.name}: {values or 'base config'}; seed {m.seed}; {count_params(m.config.model):,} parameters")
     print(f"{len(sweep.members)} members")
+    if sweep.ladder is not None:
+        from collections import Counter
+
+        from transformer.sweep import ladder_lines
+
+        print("\n".join(ladder_lines(sweep.ladder, Counter(m.labels["rung"] for m in sweep.members))))
     return 0
 
 

@@ -31,6 +31,7 @@ from transformer.model.summary import (
     cross_cache_bytes_per_source_token,
     flops_per_token,
     kv_cache_bytes_per_token,
+    non_embedding_params,
     summary_text,
 )
 from transformer.model.transformer import Block, Transformer, layer_slots
@@ -48,6 +49,7 @@ __all__ = [
     "kv_cache_bytes_per_token",
     "layer_slots",
     "matrix_axes",
+    "non_embedding_params",
     "optimizer_scaling",
     "placing",
     "summary_text",

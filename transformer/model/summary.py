@@ -49,6 +49,15 @@ def count_params(cfg: ModelConfig) -> int:
     return total
 
 
+def non_embedding_params(cfg: ModelConfig) -> int:
+    """`count_params` less the token embedding, an untied output head and a learned position table:
+    the size scaling laws count (Kaplan et al. 2020), which at this framework's CPU sizes differs
+    from the total by the embedding table's V*D, often the larger part."""
+    table = positions_for(cfg).table_shape
+    tables = cfg.padded_vocab * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    return count_params(cfg) - tables - (math.prod(table) if table is not None else 0)
+
+
 def mha_params(cfg: ModelConfig) -> int:
     """One MHA/GQA/MQA attention's parameters: the fused q/k/v and output weights, biases, qk-norm."""
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

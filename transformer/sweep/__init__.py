@@ -3,6 +3,9 @@ those above it in this list:
 
 - `expansion.py`: the `sweep:` block (grid, zip, seeds, names, compare) expanded into validated
   `Member` configs, before anything runs;
+- `ladder.py`: a `sweep.ladder` block (model sizes from parameter targets or shapes, token budgets
+  from tokens per parameter or isoFLOP budgets, a learning-rate sub-grid per rung) expanded into
+  one sweep axis (expansion.py uses it);
 - `claims.py`: a member's claim (`DIR/<member>/.claim`, heartbeat, stale takeover) when several
   runners share a sweep directory;
 - `runner.py`: the manifest and member configs written, and the members run as `train.py`
@@ -13,12 +16,14 @@ A sweep's parent process runs no model: nothing here imports JAX (tests/test_str
 """
 
 from transformer.sweep.expansion import LR_KEY, MANIFEST, Sweep, SweepError, default_compare, expand, load_sweep
+from transformer.sweep.ladder import Ladder, ladder_lines
 from transformer.sweep.launch import add_arguments, check_arguments, claimed, launch
 from transformer.sweep.runner import member_config_path, prepare_sweep, print_commands, relative, run_sweep
 
 __all__ = [
     "LR_KEY",
     "MANIFEST",
+    "Ladder",
     "Sweep",
     "SweepError",
     "add_arguments",
@@ -26,6 +31,7 @@ __all__ = [
     "claimed",
     "default_compare",
     "expand",
+    "ladder_lines",
     "launch",
     "load_sweep",
     "member_config_path",

@@ -10,6 +10,7 @@
       seeds: [0, 1]                  # train.seed of each member; members are named <variant>-s<seed>
       name: "{model.norm_position}-lr{optim.lr}-{attention}"   # default: the varied values joined
       compare: model.norm_position   # what the report's verdict compares (default: the first varied key)
+      ladder: {params: [1.0e5, 1.0e6], tokens_per_param: 20}   # model sizes (transformer/sweep/ladder.py)
       ray: {num_cpus: 1}             # --launcher ray / slurm options (transformer/sweep/launch.py)
       slurm: {partition: gpu, time: "04:00:00"}
 
@@ -31,15 +32,17 @@ from typing import Any
 
 from transformer.config import Config, ConfigError, flatten
 from transformer.config_loader import all_keys, from_dict, load_raw
+from transformer.sweep.ladder import Ladder, build_ladder
 
-SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare", "ray", "slurm")  # ray, slurm: transformer/sweep/launch.py
+# ray, slurm: transformer/sweep/launch.py; ladder: transformer/sweep/ladder.py
+SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare", "ladder", "ray", "slurm")
 MANIFEST = "sweep.json"
 MEMBERS_DIR = "members"  # resolved member configs
 LOGS_DIR = "logs"  # member output when several run at once
 # Names a member's directory cannot take: the sweep's own files beside the members, and the report
-# (transformer/report/render.py writes report.md, report.html and plots/ into the sweep's directory; the
+# (transformer/report/render.py writes report.md, report.html, report.json and plots/ into the sweep's directory; the
 # sweep cannot import it, so the names are repeated here).
-RESERVED = {MANIFEST, MEMBERS_DIR, LOGS_DIR, "plots", "report.md", "report.html"}
+RESERVED = {MANIFEST, MEMBERS_DIR, LOGS_DIR, "plots", "report.md", "report.html", "report.json"}
 LR_KEY = "optim.lr"
 
 
@@ -67,6 +70,7 @@ class Sweep:
     keys: tuple[str, ...]  # varied config keys and labels, in file order (train.seed not included)
     compare: str
     launch: dict[str, Any] = dataclasses.field(default_factory=dict)  # sweep.ray, sweep.slurm (launch.py checks them)
+    ladder: Ladder | None = None
 
     def manifest(self) -> dict:
         return {
@@ -96,9 +100,14 @@ def _values(where: str, values: Any) -> list:
     return values
 
 
-def _axes(spec: dict) -> tuple[list[list[dict]], list[str], set[str]]:
-    """The sweep's independent axes, each a list of points {key: value}; the varied keys; the labels."""
+def _axes(spec: dict, ladder: Ladder | None) -> tuple[list[list[dict]], list[str], set[str]]:
+    """The sweep's independent axes, each a list of points {key: value}; the varied keys; the labels.
+    A ladder's axis comes first, so that a sweep runs every variant at a rung before the next rung."""
     axes, keys, labels = [], [], set()
+    if ladder is not None:
+        axes.append(ladder.axis())
+        keys += ladder.keys
+        labels |= {k for k in ladder.keys if "." not in k}
     grid = spec.get("grid") or {}
     if not isinstance(grid, dict):
         raise SweepError("sweep.grid", "expected a mapping of key: [values]")
@@ -125,7 +134,9 @@ def _axes(spec: dict) -> tuple[list[list[dict]], list[str], set[str]]:
         keys += list(group)
     repeated = sorted({k for k in keys if keys.count(k) > 1})
     if repeated:
-        raise SweepError("sweep", f"{repeated[0]} is swept twice (in grid and zip, or in two zip groups)")
+        raise SweepError(
+            "sweep", f"{repeated[0]} is swept twice (in grid and zip, in two zip groups, or by the ladder)"
+        )
     return axes, keys, labels
 
 
@@ -167,26 +178,32 @@ def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = (
     validated members. Any mistake raises SweepError naming the member, when there is one, and the key."""
     raw = dict(raw)
     spec = _spec(raw.pop("sweep"))
-    axes, keys, labels = _axes(spec)
+    try:
+        ladder = build_ladder(raw, spec["ladder"]) if "ladder" in spec else None
+    except ConfigError as e:
+        raise SweepError(e.key, e.message) from None
+    axes, keys, labels = _axes(spec, ladder)
     for text in overrides:  # `train.py sweep.yaml optim.lr=1` would be silently overwritten by the sweep
         key = text.partition("=")[0]
         if key in keys:
             raise SweepError(key, "is swept; change its values in the sweep block instead of overriding it")
     seeds, template = _seeds(spec), _template(spec)
-    compare = spec.get("compare", default_compare(keys))
-    if keys and compare not in keys:
+    compare = spec.get("compare", default_compare([k for k in keys if ladder is None or k not in ladder.keys]))
+    if keys and compare not in keys and not (compare == "" and ladder is not None):  # a ladder of one variant
         raise SweepError("sweep.compare", f"{compare!r} is not a swept key ({', '.join(keys)})")
     members: list[Member] = []
     names: dict[str, dict] = {}
+    # a rung's sizes and steps follow from its name; a default member name leaves them out
+    unnamed = {k for k in ladder.keys if k not in ("rung", "budget", LR_KEY)} if ladder is not None else set()
     for point in itertools.product(*axes) if axes else [()]:
         assigned = {k: v for part in point for k, v in part.items()}
         for seed in seeds if seeds is not None else [None]:
-            member = _member(raw, assigned, labels, seed, template)
+            member = _member(raw, assigned, labels, seed, template, unnamed)
             _check_name(member.name, assigned, names)
             names[member.name] = assigned
             members.append(member)
     launch = {k: spec[k] for k in ("ray", "slurm") if k in spec}
-    return Sweep(source, tuple(members), tuple(keys), compare, launch)
+    return Sweep(source, tuple(members), tuple(keys), compare, launch, ladder)
 
 
 def _spec(spec: Any) -> dict:
@@ -220,7 +237,9 @@ def _template(spec: dict) -> str | None:
     return template
 
 
-def _member(raw: dict[str, Any], assigned: dict, labels: set[str], seed: int | None, template: str | None) -> Member:
+def _member(
+    raw: dict[str, Any], assigned: dict, labels: set[str], seed: int | None, template: str | None, unnamed: set[str]
+) -> Member:
     """The base config with one point of the sweep (`assigned`: keys and labels) and `seed` set, validated."""
     values = {k: v for k, v in assigned.items() if k not in labels}
     member_raw = dict(raw)
@@ -228,11 +247,12 @@ def _member(raw: dict[str, Any], assigned: dict, labels: set[str], seed: int | N
         section, _, leaf = key.partition(".")
         member_raw[section] = {**(member_raw.get(section) or {}), leaf: value}
     suffix = f"-s{seed}" if seed is not None else ""
+    default = _default_name({k: v for k, v in assigned.items() if k not in unnamed})
     try:
         cfg = from_dict(member_raw)
     except ConfigError as e:
-        raise SweepError(e.key, f"{e.message} (in sweep member {_default_name(assigned)}{suffix})") from None
-    variant = _default_name(assigned) if template is None else _safe(_fill_template(template, _lookup(cfg, assigned)))
+        raise SweepError(e.key, f"{e.message} (in sweep member {default}{suffix})") from None
+    variant = default if template is None else _safe(_fill_template(template, _lookup(cfg, assigned)))
     labelled = {k: v for k, v in assigned.items() if k in labels}
     return Member(variant + suffix, variant, values, labelled, cfg.train.seed, cfg, member_raw)
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ import
     from transformer.train.gradprofile import GradProfile, grad_profile, write_profile  # noqa: F401
     from transformer.train.job import run  # noqa: F401
     from transformer.train.monitor import MonitorStop  # noqa: F401
-    from transformer.train.preflight import OutOfMemory, run_preflight  # noqa: F401
+    from transformer.train.preflight import OutOfMemory, run_preflight, work_per_step  # noqa: F401
     from transformer.train.signals import PARENT_PID_ENV, Preempted  # noqa: F401
     from transformer.train.trainer import Trainer  # noqa: F401
     from transformer.train.validation import validation_metrics  # noqa: F401
@@ -54,7 +54,7 @@ __all__, __getattr__ = exports(
         "gradprofile": ("GradProfile", "grad_profile", "write_profile"),
         "job": ("run",),
         "monitor": ("MonitorStop",),
-        "preflight": ("OutOfMemory", "run_preflight"),
+        "preflight": ("OutOfMemory", "run_preflight", "work_per_step"),
         "signals": ("PARENT_PID_ENV", "Preempted"),
         "trainer": ("Trainer",),
         "validation": ("validation_metrics",),
