@@ -5,6 +5,10 @@ above it in this list:
   budget-matched losses, stability events, LR sensitivity, the verdict); numpy only;
 - `tuned.py`: each level of the compared key at its own best learning rate (final loss, its
   difference from the first level's paired by seed, steps to reach the first level's final loss);
+- `paired.py`: every sweep's levels against the first, paired by seed and every other varied key:
+  the mean difference, its 95% t-interval, the paired t-test's p and the seeds needed to resolve it;
+- `scaling.py`: a ladder's loss against compute per variant, the fit L(C) = E + A·C^-α and each
+  variant's compute-equivalent gain over the baseline, with bootstrap intervals;
 - `gradients.py`: a sweep's gradient profiles at initialisation side by side over norm placements
   and depths (Xiong et al.'s ratio of Post-LN's last-layer gradient over Pre-LN's, against depth);
 - `plots.py`: their figures (matplotlib's object API, no pyplot state);

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from transformer.report.scaling import LadderSummary
 from transformer.report.stats import LR_KEY, SIZE_KEYS, Report, format_value, short_key, transfer, transfer_points
 
 FACET_ABOVE = 8  # more variants than this: one panel per level of the compared key
@@ -189,8 +190,38 @@ def lr_transfer(report: Report) -> Figure | None:
     return fig
 
 
-def figures(report: Report) -> list[tuple[str, str, Figure]]:
-    """(title, file stem, figure) for every plot the data supports."""
+def loss_vs_compute(report: Report, ladder: LadderSummary | None) -> Figure | None:
+    """A ladder's final loss against training compute on log axes, a panel per setting: each
+    variant's points (a dot per seed, at its best learning rate per rung), its fit L(C) = E + A·C^-α
+    and the fit's 95% bootstrap band, out to the extrapolated target (report/scaling.py)."""
+    if ladder is None or not ladder.found:
+        return None
+    fig, axes = _grid(len(ladder.found))
+    for ax, (setting, found) in zip(axes, ladder.found.items()):
+        by_level = ladder.curves[setting]
+        for color, (level, fit) in zip(_colors(len(found.fits)), found.fits.items()):
+            compute, loss = by_level[level].arrays(found.rungs)
+            ax.scatter(
+                compute, loss, s=12, color=color, label=f"{format_value(level)}: α={fit.alpha:.3f}, E={fit.E:.2f}"
+            )
+            if level in found.band:
+                grid, low, high = found.band[level]
+                ax.plot(grid, fit.loss(grid), color=color, lw=1.2)
+                ax.fill_between(grid, low, high, color=color, alpha=0.15, lw=0)
+        for c, extrapolated in found.targets:
+            if extrapolated:
+                ax.axvline(c, color="0.5", ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set(xlabel="training compute (model FLOPs)", ylabel="final loss (nats)")
+        ax.set_title(", ".join(format_value(v) for v in setting) or short_key(report.compare), fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    return fig
+
+
+def figures(report: Report, ladder: LadderSummary | None = None) -> list[tuple[str, str, Figure]]:
+    """(title, file stem, figure) for every plot the data supports (`ladder`: a ladder's scaling)."""
     out = [
         ("training loss (EMA) against tokens", "loss", curves(report, "loss", "train loss (nats)")),
         (
@@ -209,17 +240,18 @@ def figures(report: Report) -> list[tuple[str, str, Figure]]:
         ("per-layer statistics at the end", "layers", per_layer(report)),
         ("loss against learning rate", "lr", loss_vs_lr(report)),
         ("learning-rate transfer across model size", "lr_transfer", lr_transfer(report)),
+        ("final loss against training compute (ladder)", "scaling", loss_vs_compute(report, ladder)),
     ):
         if fig is not None:
             out.append((title, stem, fig))
     return out
 
 
-def plot_all(report: Report, directory: Path) -> list[tuple[str, Path]]:
+def plot_all(report: Report, directory: Path, ladder: LadderSummary | None = None) -> list[tuple[str, Path]]:
     """Save every figure as `directory`/STEM.png; (title, path) of each."""
     directory.mkdir(parents=True, exist_ok=True)
     saved = []
-    for title, stem, fig in figures(report):
+    for title, stem, fig in figures(report, ladder):
         path = directory / f"{stem}.png"
         fig.savefig(path, dpi=110)
         saved.append((title, path))

@@ -11,13 +11,16 @@ from __future__ import annotations
 import base64
 import dataclasses
 import html
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from transformer.report.paired import PAIRED_NOTE, paired_json, paired_lines, paired_rows
 from transformer.report.plots import plot_all
+from transformer.report.scaling import SCALING_NOTE, LadderSummary, ladder_summary
 from transformer.report.stats import (
     BUDGET_TAIL,
     LR_KEY,
@@ -32,6 +35,7 @@ from transformer.report.tuned import TUNED_NOTE, tuned_rows
 
 REPORT_MD = "report.md"
 REPORT_HTML = "report.html"
+REPORT_JSON = "report.json"
 PLOTS_DIR = "plots"
 
 COLUMNS = [  # (header, Summary field, format)
@@ -49,6 +53,8 @@ COLUMNS = [  # (header, Summary field, format)
 SENSITIVITY_TITLE = "Learning-rate sensitivity (Wortsman et al. 2023)"
 TRANSFER_TITLE = "Learning-rate transfer"
 TUNED_TITLE = "Each at its best learning rate"
+PAIRED_TITLE = "Paired differences over seeds"
+SCALING_TITLE = "Scaling: loss against compute"
 TRANSFER_NOTE = (
     "The best learning rate at each model size: the vertex of a parabola in log lr through the lowest "
     "mean final loss (over seeds, capped at the initial loss) and its two grid neighbours. Whether it "
@@ -107,6 +113,16 @@ def sensitivity_rows(report: Report) -> Table:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Section:
+    """A titled part of the report below the main table: a note, then lines, then a table."""
+
+    title: str
+    note: str
+    lines: list[str]
+    table: Table | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class _Page:
     """What both the Markdown and the HTML report show."""
 
@@ -115,9 +131,7 @@ class _Page:
     best: str
     notes: list[str]
     main: Table
-    sensitivity: Table
-    tuned: Table  # each level of the compared key at its own best learning rate (report/tuned.py)
-    transfer: list[str]  # the learning-rate transfer's lines (stats.transfer_lines)
+    sections: list[_Section]  # those with something to show
     plots: list[tuple[str, Path]]  # (title, PNG)
 
 
@@ -136,12 +150,9 @@ def _notes(report: Report) -> list[str]:
 def _markdown(page: _Page) -> str:
     md = [f"# Comparison: {page.title}", "", f"**Verdict.** {page.verdict}", "", page.best, "", *page.notes, ""]
     md += [markdown_table(*page.main), ""]
-    if page.sensitivity[1]:
-        md += [f"## {SENSITIVITY_TITLE}", "", SENSITIVITY_NOTE, "", markdown_table(*page.sensitivity), ""]
-    if page.tuned[1]:
-        md += [f"## {TUNED_TITLE}", "", TUNED_NOTE, "", markdown_table(*page.tuned), ""]
-    if page.transfer:
-        md += [f"## {TRANSFER_TITLE}", "", TRANSFER_NOTE, "", *(f"- {line}" for line in page.transfer), ""]
+    for section in page.sections:
+        md += [f"## {section.title}", "", section.note, "", *(f"- {line}" for line in section.lines)]
+        md += ([""] if section.lines else []) + ([markdown_table(*section.table), ""] if section.table else [])
     md += ["## Plots", ""] + [f"![{title}]({PLOTS_DIR}/{path.name})" for title, path in page.plots] + [""]
     return "\n".join(md)
 
@@ -152,25 +163,21 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _html_section(section: _Section) -> str:
+    lines = "".join(f"<li>{html.escape(line)}</li>" for line in section.lines)
+    return (
+        f"<h2>{html.escape(section.title)}</h2><p>{html.escape(section.note)}</p>"
+        + (f"<ul>{lines}</ul>" if lines else "")
+        + (_html_table(*section.table) if section.table else "")
+    )
+
+
 def _html(page: _Page) -> str:
     """One self-contained HTML file: the plots are embedded as base64 PNGs."""
     images = "".join(
         f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
         f"<figcaption>{html.escape(t)}</figcaption></figure>"
         for t, p in page.plots
-    )
-    sensitivity = (
-        f"<h2>{SENSITIVITY_TITLE}</h2><p>{SENSITIVITY_NOTE}</p>" + _html_table(*page.sensitivity)
-        if page.sensitivity[1]
-        else ""
-    )
-    tuned = f"<h2>{TUNED_TITLE}</h2><p>{TUNED_NOTE}</p>" + _html_table(*page.tuned) if page.tuned[1] else ""
-    transfer = (
-        f"<h2>{TRANSFER_TITLE}</h2><p>{TRANSFER_NOTE}</p><ul>"
-        + "".join(f"<li>{html.escape(line)}</li>" for line in page.transfer)
-        + "</ul>"
-        if page.transfer
-        else ""
     )
     style = (
         "body{font-family:sans-serif;max-width:1200px;margin:2em auto}table{border-collapse:collapse;font-size:90%}"
@@ -182,32 +189,60 @@ def _html(page: _Page) -> str:
         f"<h1>Comparison: {title}</h1><p><b>Verdict.</b> {html.escape(page.verdict)}</p><p>{html.escape(page.best)}</p>"
         + "".join(f"<p>{html.escape(n)}</p>" for n in page.notes)
         + _html_table(*page.main)
-        + sensitivity
-        + tuned
-        + transfer
+        + "".join(_html_section(section) for section in page.sections)
         + f"<h2>Plots</h2>{images}</body></html>"
     )
 
 
+def _sections(report: Report, ladder: LadderSummary | None) -> list[_Section]:
+    """The sections below the main table that the runs give something to show."""
+    paired = paired_rows(report)
+    sections = [
+        _Section(PAIRED_TITLE, PAIRED_NOTE, paired_lines(report), paired if paired[1] else None),
+        _Section(SENSITIVITY_TITLE, SENSITIVITY_NOTE, [], sensitivity_rows(report)),
+        _Section(TUNED_TITLE, TUNED_NOTE, [], tuned_rows(report)),
+        _Section(TRANSFER_TITLE, TRANSFER_NOTE, transfer_lines(report)),
+    ]
+    if ladder is not None:
+        sections.append(
+            _Section(SCALING_TITLE, SCALING_NOTE, ladder.lines, (ladder.header, ladder.rows) if ladder.rows else None)
+        )
+    return [s for s in sections if s.lines or (s.table is not None and s.table[1])]
+
+
+def _json(report: Report, page: _Page, ladder: LadderSummary | None) -> dict:
+    """The numbers of the report as notebooks and scripts read them (report.json)."""
+    header, rows = page.main
+    return {
+        "verdict": page.verdict,
+        "compare": report.compare,
+        "keys": report.keys,
+        "table": [dict(zip(header, row)) for row in rows],
+        "paired": paired_json(report),
+        "scaling": ladder.json if ladder is not None else None,
+        "sections": {s.title: {"lines": s.lines, "table": s.table} for s in page.sections},
+    }
+
+
 def write_report(directory: Path, log: Callable[[str], None] = print) -> Path:
-    """Write report.md, report.html and plots/*.png under `directory`; log the table and the verdict.
-    Returns the Markdown report's path."""
+    """Write report.md, report.html, report.json and plots/*.png under `directory`; log the table,
+    the verdict and the sections' lines. Returns the Markdown report's path."""
     directory = Path(directory)
     report = build(directory)
-    main = table(report)
-    plots = plot_all(report, directory / PLOTS_DIR)
-    sensitivity, transfer = sensitivity_rows(report), transfer_lines(report)
-    tuned = tuned_rows(report)
-    notes = _notes(report)
+    ladder = ladder_summary(report)
+    plots = plot_all(report, directory / PLOTS_DIR, ladder)
+    sections = _sections(report, ladder)
     page = _Page(
-        directory.name, report.verdict(), report.best_loss_line(), notes, main, sensitivity, tuned, transfer, plots
+        directory.name, report.verdict(), report.best_loss_line(), _notes(report), table(report), sections, plots
     )
     (directory / REPORT_MD).write_text(_markdown(page))
     (directory / REPORT_HTML).write_text(_html(page))
+    (directory / REPORT_JSON).write_text(json.dumps(_json(report, page, ladder), indent=1) + "\n")
     log(markdown_table(*page.main))
     log(f"verdict: {page.verdict}")
-    if tuned[1]:
-        log(f"{TUNED_TITLE}:\n{markdown_table(*tuned)}")
-    for line in transfer:
-        log(f"lr transfer: {line}")
+    for section in sections:
+        if section.title == TUNED_TITLE and section.table:
+            log(f"{TUNED_TITLE}:\n{markdown_table(*section.table)}")
+        for line in section.lines:
+            log(f"{section.title}: {line}")
     return directory / REPORT_MD

@@ -178,6 +178,7 @@ class Summary:
     diverged: bool
     tokens_per_s: float
     tokens: int
+    flops: float  # model FLOPs of the steps trained (`preflight.work_per_step`)
     status: str
     # a mixture run's best val/<name>/loss per source (empty for a single source)
     best_val_by_source: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -194,6 +195,7 @@ def _max(values: np.ndarray) -> float:
 def summarize(run: Run, budget: int | None) -> Summary:
     """The run's numbers (see the module's definitions), its loss taken at `budget` tokens."""
     from transformer.model import count_params
+    from transformer.train import work_per_step
 
     steps, loss = run.curve("loss")
     _, val = run.curve("val_loss")
@@ -215,6 +217,7 @@ def summarize(run: Run, budget: int | None) -> Summary:
         diverged=run.count("divergence", "stopped") > 0 or (len(loss) > 0 and not math.isfinite(final)),
         tokens_per_s=float(np.nanmedian(tps)) if np.isfinite(tps).any() else math.nan,
         tokens=int(steps[-1]) * run.tokens_per_step if len(steps) else 0,
+        flops=int(steps[-1]) * work_per_step(run.config)[1] if len(steps) else 0.0,
         status=run.status,
         best_val_by_source={
             key.removeprefix("val/").removesuffix("/loss"): _min(run.curve(key)[1])
