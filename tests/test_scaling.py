@@ -297,3 +297,37 @@ def test_a_ladders_report_has_the_fit_the_gains_and_the_paired_differences(tmp_p
     assert all(g["value"] == pytest.approx(2.0, rel=0.02) for name, g in gains.items()), gains
     assert data["paired"][0]["final"]["n"] == 16 and "post ended lower than pre" in data["paired"][0]["verdict"]
     assert (tmp_path / "plots" / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_ladder_on_the_command_line(tmp_path):
+    """--dry-run lists every rung and the ladder's total compute, running nothing; a mistake in the
+    ladder is one line and exit 2."""
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import ROOT
+
+    def train(path, *args):
+        cmd = [sys.executable, str(ROOT / "train.py"), str(path), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+
+    ladder = {"params": [2.0e4, 1.0e5], "aspect": 16, "head_dim": 16, "tokens_per_param": 2}
+    path = tmp_path / "ladder.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "sweep": {"seeds": [0, 1], "ladder": ladder}}))
+    out = train(path, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    s = expand({**BASE, "sweep": {"seeds": [0, 1], "ladder": ladder}})
+    rungs = [line for line in out.stdout.splitlines() if line.startswith("  N")]
+    assert [line.split(":")[0].strip() for line in rungs] == [r.name for r in s.ladder.rungs]
+    total = 2 * sum(r.flops for r in s.ladder.rungs)
+    assert (
+        out.stdout.strip().splitlines()[-1]
+        == f"ladder total: {total:.3g} model FLOPs over 4 runs (the base variant's count)"
+    )
+    assert not list(tmp_path.glob("runs*"))
+    path.write_text(yaml.safe_dump({**BASE, "sweep": {"ladder": {**ladder, "tokens_per_params": 2}}}))
+    out = train(path, "--dry-run")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "train.py: error: config: sweep.ladder.tokens_per_params: unknown key (did you mean sweep.ladder.tokens_per_param?)"
+    ], out.stderr

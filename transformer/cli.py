@@ -311,7 +311,9 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
     if args.dry_run:
         return _sweep_dry_run(sweep)
     if args.preflight:
-        return _preflight_main([(m.name, m.config) for m in sweep.members], args.topology)
+        code = _preflight_main([(m.name, m.config) for m in sweep.members], args.topology)
+        _print_ladder(sweep)
+        return code
     if args.grad_profile:
         return _grad_profile_main(args, [(m.name, m.config) for m in sweep.members])
     if args.coord_check:
@@ -379,13 +381,18 @@ def _sweep_dry_run(sweep: Sweep) -> int:
         values = ", ".join(f"{k}={v}" for k, v in {**m.labels, **m.values}.items())
         print(f"{m.name}: {values or 'base config'}; seed {m.seed}; {count_params(m.config.model):,} parameters")
     print(f"{len(sweep.members)} members")
+    _print_ladder(sweep)
+    return 0
+
+
+def _print_ladder(sweep: Sweep) -> None:
+    """A ladder's rungs and its total compute (nothing for another sweep)."""
     if sweep.ladder is not None:
         from collections import Counter
 
         from transformer.sweep import ladder_lines
 
         print("\n".join(ladder_lines(sweep.ladder, Counter(m.labels["rung"] for m in sweep.members))))
-    return 0
 
 
 def _default_workdir(config: str | None) -> Path:
