@@ -229,6 +229,20 @@ def test_ladder_mistakes_are_one_line_naming_the_key(ladder, message):
         expand({**BASE, "sweep": {"ladder": ladder}})
 
 
+def test_a_size_the_ladder_must_derive_is_refused_when_fixed_or_swept():
+    with pytest.raises(SweepError, match=r"model\.d_ff: the base config sets it, so it would stay fixed at every rung"):
+        expand(
+            {
+                **BASE,
+                "model": {**BASE["model"], "d_ff": 128},
+                "sweep": {"ladder": {"params": [1e5], "tokens_per_param": 5}},
+            }
+        )
+    zipped = {"zip": [{"model.ffn": ["relu", "swiglu"], "model.d_ff": [128, 96]}]}
+    with pytest.raises(SweepError, match=r"model\.d_ff: the sweep varies it"):
+        expand({**BASE, "sweep": {**zipped, "ladder": {"params": [1e5], "tokens_per_param": 5}}})
+
+
 def test_a_ladder_swept_again_by_the_grid_is_refused():
     with pytest.raises(SweepError, match=r"optim\.lr is swept twice"):
         expand(

@@ -32,7 +32,7 @@ from typing import Any
 
 from transformer.config import Config, ConfigError, flatten
 from transformer.config_loader import all_keys, from_dict, load_raw
-from transformer.sweep.ladder import Ladder, build_ladder
+from transformer.sweep.ladder import Ladder, build_ladder, check_derived
 
 # ray, slurm: transformer/sweep/launch.py; ladder: transformer/sweep/ladder.py
 SWEEP_KEYS = ("grid", "zip", "seeds", "name", "compare", "ladder", "ray", "slurm")
@@ -180,9 +180,13 @@ def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = (
     spec = _spec(raw.pop("sweep"))
     try:
         ladder = build_ladder(raw, spec["ladder"]) if "ladder" in spec else None
-    except ConfigError as e:
+        axes, keys, labels = _axes(spec, ladder)
+        if ladder is not None:
+            check_derived({k: True for k in keys}, "the sweep varies it")
+    except SweepError:
+        raise
+    except ConfigError as e:  # the ladder's own mistakes, as the sweep's
         raise SweepError(e.key, e.message) from None
-    axes, keys, labels = _axes(spec, ladder)
     for text in overrides:  # `train.py sweep.yaml optim.lr=1` would be silently overwritten by the sweep
         key = text.partition("=")[0]
         if key in keys:

@@ -38,6 +38,8 @@ from typing import Any
 from transformer.config import Config, ConfigError
 from transformer.config_loader import from_dict
 
+# sizes the base could fix that the rung's width must derive (null: derived at every rung)
+DERIVED = ("model.d_ff", "model.head_dim", "model.moe_d_ff")
 LADDER_KEYS = ("params", "shapes", "aspect", "head_dim", "tokens_per_param", "flops", "lr", "warmup")
 SIZE_KEYS = ("model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads")
 MAX_DEPTH = 64
@@ -100,6 +102,16 @@ def _spec(spec: Any) -> dict:
         if len(given) != 1:
             raise LadderError("sweep.ladder", f"give exactly one of {' or '.join(one_of)} (got {len(given)})")
     return spec
+
+
+def check_derived(values: dict[str, Any], where: str) -> None:
+    """Refuse a size that would stay fixed while the ladder widens the model around it."""
+    for key in DERIVED:
+        short = key.partition(".")[2]
+        if values.get(short, values.get(key)) is not None:
+            raise LadderError(
+                key, f"{where}, so it would stay fixed at every rung; leave it null and the ladder derives it"
+            )
 
 
 def _positive(where: str, value: Any, kind: type = float) -> Any:
@@ -218,6 +230,7 @@ def short_number(x: float) -> str:
 def build_ladder(raw: dict, spec: Any) -> Ladder:
     """The rungs of `spec` (the `sweep.ladder` block) on the base config `raw` (without its sweep)."""
     spec = _spec(spec)
+    check_derived(raw.get("model") or {}, "the base config sets it")
     from transformer.model import non_embedding_params
     from transformer.train import work_per_step
 
