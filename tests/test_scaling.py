@@ -15,7 +15,7 @@ from transformer.model import non_embedding_params
 from transformer.report import build
 from transformer.report.paired import Paired, comparisons, t_pvalue
 from transformer.report.render import write_report
-from transformer.report.scaling import Curve, FitRefused, fit_power_law, scaling, target_name, trend_line
+from transformer.report.scaling import Curve, Fit, FitRefused, fit_power_law, scaling, target_name, trend_line
 from transformer.report.stats import T95
 from transformer.sweep import SweepError, expand
 from transformer.train.preflight import work_per_step
@@ -345,3 +345,33 @@ def test_the_ladder_on_the_command_line(tmp_path):
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "train.py: error: config: sweep.ladder.tokens_per_params: unknown key (did you mean sweep.ladder.tokens_per_param?)"
     ], out.stderr
+
+
+def test_a_ladder_keeps_mqa_and_a_mup_base_and_refuses_a_warmup_longer_than_a_rung():
+    mqa = {**BASE, "model": {**BASE["model"], "n_heads": 4, "n_kv_heads": 1, "head_dim": None}}
+    s = expand(
+        {**mqa, "sweep": {"ladder": {"params": [2e4, 1e5], "aspect": 16, "head_dim": 8, "tokens_per_param": 20}}}
+    )
+    assert {m.config.model.n_kv_heads for m in s.members} == {1} and len({r.n_heads for r in s.ladder.rungs}) == 2
+    mup = {**BASE, "model": {**BASE["model"], "parametrization": "mup"}}
+    s = expand(
+        {**mup, "sweep": {"ladder": {"params": [2e4, 1e5], "aspect": 16, "head_dim": 16, "tokens_per_param": 20}}}
+    )
+    assert {m.config.model.mup_base_d_model for m in s.members} == {32}  # the base's width, not each rung's own
+    assert {m.config.model.d_model for m in s.members} == {32, 48}
+    with pytest.raises(SweepError, match=r"optim\.warmup_steps \(50\) is not below rung N\w+'s \d+ steps"):
+        expand(
+            {**BASE, "sweep": {"ladder": {"params": [2e4, 1e5], "aspect": 16, "head_dim": 16, "tokens_per_param": 0.1}}}
+        )
+
+
+def test_the_gain_survives_overflow_a_missing_seed_and_a_variant_without_a_fit():
+    assert Fit(2.0, 1.0, 0.001).compute_for(2.4) == math.inf  # 10^398: beyond a float, not an error
+    compute = np.geomspace(1e10, 1e13, 5)
+    base, other = synthetic(compute, power_law), synthetic(compute, lambda c: power_law(2 * c))
+    del other.losses["r2"][0], other.losses["r2"][1]  # one seed left at one rung
+    found = scaling({"a": base, "b": other}, "a", draws=40)
+    assert all(math.isfinite(g.high) for g in found.gains["b"].values())
+    short = Curve({"r0": 1e10, "r1": 1e11}, {"r0": {0: 3.0}, "r1": {0: 2.5}})
+    found = scaling({"a": base, "b": other, "c": short}, "a", draws=20)
+    assert "c" not in found.fits and "2 distinct computes" in found.refused["c"] and "b" in found.gains

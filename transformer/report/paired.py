@@ -30,7 +30,9 @@ PAIRED_NOTE = (
     "the final loss (the last validation loss, else the last training loss); mean, 95% t-interval and the paired "
     "t-test's two-sided p over the pairs whose runs both finished with a finite loss. At equal tokens: the mean "
     f"training loss over the last {BUDGET_TAIL:.0%} of the fewer tokens of each pair's two runs. 'Seeds to resolve': "
-    "the seeds a 95% interval of the observed spread would need to exclude zero at the observed mean."
+    "the seeds at which a 95% interval of the observed spread would just exclude zero at the observed mean (about "
+    "even odds of resolving a true difference of that size, not 80% power). Pairs in different settings count as "
+    "independent replicates."
 )
 
 
@@ -102,7 +104,7 @@ class Paired:
             mean = float(d[0]) if n else math.nan
             return cls(n, mean, math.nan, math.nan, math.nan, None)
         mean, sd = float(d.mean()), float(d.std(ddof=1))
-        if sd == 0.0:
+        if sd <= 1e-12 * max(1.0, abs(mean)):  # identical differences: no spread to test against
             p = 1.0 if mean == 0.0 else 0.0
             return cls(n, mean, mean, mean, p, None)
         half = t95(n - 1) * sd / math.sqrt(n)

@@ -64,11 +64,14 @@ class Fit:
 
     def compute_for(self, loss: float) -> float:
         """The compute at which the fit reaches `loss`; inf below its floor E."""
+        if math.isnan(loss):
+            return math.nan
         if not loss > self.E:
             return math.inf
         if self.A == 0.0:
             return 0.0
-        return float(((loss - self.E) / self.A) ** (-1.0 / self.alpha))
+        log_compute = -math.log((loss - self.E) / self.A) / self.alpha  # in logs: a small alpha overflows a power
+        return math.exp(log_compute) if log_compute < 709.0 else math.inf
 
 
 def _linear(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -221,12 +224,25 @@ class LadderFit:
     gains: dict[object, dict[str, Estimate]]  # level -> {rung or "C=..." target: gain}
     trend: dict[object, Estimate]  # level -> slope of log gain in log compute
     band: dict[object, tuple[np.ndarray, np.ndarray, np.ndarray]]  # level -> (compute, low, high) of the fit
+    refused: dict[object, str]  # level -> why it has no fit (too few rungs finished)
+    failed_draws: int  # bootstrap draws in which the baseline could not be fitted (left out)
 
 
 def _targets(base: Curve, rungs: list[str]) -> list[tuple[float, bool]]:
     top = base.compute[rungs[-1]]
     steps = np.diff(np.log([base.compute[r] for r in rungs]))
     return [(top, False), (float(top * math.exp(np.median(steps))), True)]
+
+
+def _fits(points: dict[object, tuple[np.ndarray, np.ndarray]]) -> tuple[dict[object, Fit], dict[object, str]]:
+    """Each level's fit to its (compute, loss) points, and why a level has none."""
+    fits, refused = {}, {}
+    for level, (compute, loss) in points.items():
+        try:
+            fits[level] = fit_power_law(compute, loss)
+        except FitRefused as e:
+            refused[level] = f"{format_value(level)}: {e}"
+    return fits, refused
 
 
 def _points(curve: Curve, picked: list[str], drawn: dict[str, list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -256,7 +272,10 @@ def _gains(
     for level, curve in curves.items():
         if level == base:
             continue
-        g = {r: gain_at(fits[base], curve.compute[r], curve.mean(r, seeds.get(r))) for r in rungs if r in curve.compute}
+        if level not in fits:
+            continue
+        means = {r: curve.mean(r, seeds.get(r)) for r in rungs if r in curve.compute}
+        g = {r: gain_at(fits[base], curve.compute[r], m) for r, m in means.items() if math.isfinite(m)}
         g["trend"] = _trend([curve.compute[r] for r in g], list(g.values()))
         for c, _ in targets:
             g[target_name(c)] = gain_at(fits[base], c, float(fits[level].loss(c)))
@@ -274,7 +293,9 @@ def scaling(curves: dict[object, Curve], base: object, draws: int = DRAWS, seed:
     rungs = sorted(curves[base].compute, key=curves[base].compute.__getitem__)
     if len(rungs) < 3:
         raise FitRefused(f"L(C) = E + A·C^-α has 3 parameters and the ladder has {len(rungs)} rungs: not fitted")
-    fits = {level: fit_power_law(*c.arrays(rungs)) for level, c in curves.items()}
+    fits, refused = _fits({level: c.arrays(rungs) for level, c in curves.items()})
+    if base in refused:
+        raise FitRefused(refused[base])
     targets = _targets(curves[base], rungs)
     point = _gains(curves, base, fits, rungs, {}, targets)
     seeds = sorted({s for c in curves.values() for by_seed in c.losses.values() for s in by_seed})
@@ -282,12 +303,13 @@ def scaling(curves: dict[object, Curve], base: object, draws: int = DRAWS, seed:
     grid = np.geomspace(curves[base].compute[rungs[0]], targets[-1][0], 40)
     samples: dict[object, dict[str, list[float]]] = {level: {} for level in curves}
     bands: dict[object, list[np.ndarray]] = {level: [] for level in curves}
+    failed = 0
     for _ in range(draws):
         picked = [rungs[i] for i in _draw(rng, len(rungs))]
         drawn = {r: [seeds[i] for i in rng.integers(0, len(seeds), len(seeds))] for r in set(picked)}
-        try:
-            fits_b = {level: fit_power_law(*_points(c, picked, drawn)) for level, c in curves.items()}
-        except FitRefused:
+        fits_b, _ = _fits({level: _points(c, picked, drawn) for level, c in curves.items()})
+        if base not in fits_b:
+            failed += 1
             continue
         for level, f in fits_b.items():
             for name, value in (("E", f.E), ("A", f.A), ("alpha", f.alpha)):
@@ -308,7 +330,7 @@ def scaling(curves: dict[object, Curve], base: object, draws: int = DRAWS, seed:
     }
     trend = {level: Estimate(g["trend"], *_interval(samples[level].get("trend", []))) for level, g in point.items()}
     band = {level: (grid, *np.percentile(np.array(b), [2.5, 97.5], axis=0)) for level, b in bands.items() if b}
-    return LadderFit(rungs, fits, params, targets, gains, trend, band)
+    return LadderFit(rungs, fits, params, targets, gains, trend, band, refused, failed)
 
 
 # --- what the report shows ------------------------------------------------------------------------------
@@ -387,7 +409,13 @@ def _describe(
             f"{prefix}{format_value(level)}: L(C) = E + A·C^-α with E {p['E'].text('{:.3f}')}, "
             f"α {p['alpha'].text('{:.3f}')}, A {p['A'].text()}."
         )
+    out.lines += [f"{prefix}{reason}." for reason in found.refused.values()]
+    if found.failed_draws:
+        out.lines.append(
+            f"{prefix}{found.failed_draws} bootstrap draws could not fit the baseline; the intervals leave them out."
+        )
     entry: dict = {"setting": setting, "baseline": base, "rungs": found.rungs, "fits": {}, "gains": {}, "trend": {}}
+    entry |= {"refused": list(found.refused.values()), "failed_draws": found.failed_draws}
     for level, p in found.params.items():
         entry["fits"][format_value(level)] = {k: dataclasses.asdict(v) for k, v in p.items()}
     for level, gains in found.gains.items():

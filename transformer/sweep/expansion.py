@@ -180,6 +180,8 @@ def expand(raw: dict[str, Any], source: str = "", overrides: tuple[str, ...] = (
     spec = _spec(raw.pop("sweep"))
     try:
         ladder = build_ladder(raw, spec["ladder"]) if "ladder" in spec else None
+        if ladder is not None and ladder.pinned:
+            raw["model"] = {**(raw.get("model") or {}), **ladder.pinned}
         axes, keys, labels = _axes(spec, ladder)
         if ladder is not None:
             check_derived({k: True for k in keys}, "the sweep varies it")

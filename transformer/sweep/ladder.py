@@ -79,6 +79,7 @@ class Rung:
 class Ladder:
     rungs: tuple[Rung, ...]
     warmup: float | None
+    pinned: dict[str, Any]  # model keys every member takes: a µP base's resolved shape
 
     @property
     def keys(self) -> list[str]:
@@ -87,6 +88,19 @@ class Ladder:
 
     def axis(self) -> list[dict[str, Any]]:
         return [p for rung in self.rungs for p in rung.points(self.warmup)]
+
+
+def mup_base_shape(raw: dict) -> dict[str, Any]:
+    """Under µP, the base's resolved base shape, so that each rung scales from the same base (left
+    null, each rung would be its own base and µP would change nothing) and one learning rate can
+    transfer up the ladder."""
+    base = from_dict(raw).model
+    if base.parametrization != "mup":
+        return {}
+    keys = ["mup_base_d_model", "mup_base_n_heads", "mup_base_head_dim", "mup_base_d_ff"]
+    keys += ["mup_base_moe_d_ff"] if base.n_experts else []
+    keys += ["mup_base_n_layers"] if base.depth_scaling != "none" else []
+    return {k: getattr(base, k) for k in keys}
 
 
 def _spec(spec: Any) -> dict:
@@ -146,6 +160,8 @@ def _config(raw: dict, sizes: dict[str, Any]) -> Config:
 def _shape(raw: dict, d_model: int, n_layers: int, n_heads: int) -> dict[str, Any]:
     """A rung's sizes: key/value heads keep the base's grouping (MHA stays MHA, MQA stays MQA)."""
     base = from_dict(raw).model
+    if base.n_kv_heads == 1:  # MQA stays MQA
+        return dict(zip(SIZE_KEYS, (d_model, n_layers, n_heads, 1)))
     group = base.n_heads // base.n_kv_heads
     if n_heads % group:
         raise LadderError(
@@ -181,11 +197,17 @@ def _shape_for(raw: dict, target: float, aspect: float, head_dim: int) -> dict[s
     best: tuple[float, dict[str, Any]] | None = None
     for depth in range(1, MAX_DEPTH + 1):
         d = max(head_dim, round(aspect * depth / head_dim) * head_dim)
-        sizes = _shape(raw, d, depth, d // head_dim)
+        try:
+            sizes = _shape(raw, d, depth, d // head_dim)
+        except LadderError:  # too few heads at this depth for the base's grouping
+            continue
         miss = abs(math.log(non_embedding_params(_config(raw, sizes).model) / target))
         if best is None or miss < best[0]:
             best = (miss, sizes)
-    assert best is not None
+    if best is None:
+        raise LadderError(
+            "sweep.ladder", f"no depth from 1 to {MAX_DEPTH} keeps the base's query heads per key/value head"
+        )
     return best[1]
 
 
@@ -227,14 +249,7 @@ def short_number(x: float) -> str:
     return f"{x:.3g}"
 
 
-def build_ladder(raw: dict, spec: Any) -> Ladder:
-    """The rungs of `spec` (the `sweep.ladder` block) on the base config `raw` (without its sweep)."""
-    spec = _spec(spec)
-    check_derived(raw.get("model") or {}, "the base config sets it")
-    from transformer.model import non_embedding_params
-    from transformer.train import work_per_step
-
-    shapes = _shapes(raw, spec)
+def _distinct(shapes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     seen = [tuple(s.values()) for s in shapes]
     if len(set(seen)) != len(seen):
         twice = next(s for s in seen if seen.count(s) > 1)
@@ -242,6 +257,19 @@ def build_ladder(raw: dict, spec: Any) -> Ladder:
             "sweep.ladder",
             f"two rungs come out as one shape (d_model {twice[0]}, {twice[1]} layers); space the targets further apart",
         )
+    return shapes
+
+
+def build_ladder(raw: dict, spec: Any) -> Ladder:
+    """The rungs of `spec` (the `sweep.ladder` block) on the base config `raw` (without its sweep)."""
+    spec = _spec(spec)
+    check_derived(raw.get("model") or {}, "the base config sets it")
+    fixed = mup_base_shape(raw)
+    raw = {**raw, "model": {**(raw.get("model") or {}), **fixed}}
+    from transformer.model import non_embedding_params
+    from transformer.train import work_per_step
+
+    shapes = _distinct(_shapes(raw, spec))
     warmup = spec.get("warmup")
     if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup < 1):
         raise LadderError("sweep.ladder.warmup", f"expected a share of the steps in [0, 1), got {warmup!r}")
@@ -258,8 +286,14 @@ def build_ladder(raw: dict, spec: Any) -> Ladder:
         tokens_per_step, flops_per_step = work_per_step(cfg)
         for budget in budgets:
             want = budget / flops_per_step if budget is not None else per_param * params / tokens_per_step  # type: ignore[operator]
-            steps = max(1, math.ceil(want))
-            name = f"N{short_number(params)}" + (f"-C{budget:.0e}" if budget is not None else "")
+            steps = max(1, math.ceil(want - 1e-9))  # a ratio a rounding above a whole number is that number
+            name = f"N{short_number(params)}" + (f"-C{budget:.3g}" if budget is not None else "")
+            if warmup is None and cfg.optim.warmup_steps >= steps:
+                raise LadderError(
+                    "sweep.ladder.warmup",
+                    f"the base's optim.warmup_steps ({cfg.optim.warmup_steps}) is not below rung {name}'s {steps} "
+                    "steps; give the warm-up as a share of each rung's steps (sweep.ladder.warmup: 0.1)",
+                )
             d, L, N, K = (sizes[k] for k in SIZE_KEYS)
             rungs.append(
                 Rung(name, d, L, N, K, params, steps, steps * tokens_per_step, steps * flops_per_step, budget, lrs)
@@ -269,7 +303,7 @@ def build_ladder(raw: dict, spec: Any) -> Ladder:
             "sweep.ladder",
             f"two rungs round to one name ({', '.join(r.name for r in rungs)}); space the targets further apart",
         )
-    return Ladder(tuple(rungs), None if warmup is None else float(warmup))
+    return Ladder(tuple(rungs), None if warmup is None else float(warmup), fixed)
 
 
 def ladder_lines(ladder: Ladder, members: dict[str, int]) -> list[str]:
