@@ -418,3 +418,26 @@ def test_each_level_at_its_best_learning_rate_with_paired_intervals_and_steps_to
         fake_run(slow, m["name"], norm=norm, lr=lr, seed=seed, losses=curve, val=[(20, 3.0 + i / 100)])
     write_manifest(slow, ["model.norm_position", "optim.lr"], [{**m, "labels": {}} for m in members])
     assert tuned_rows(build(slow))[1][1][-1] == "not reached"
+
+
+def test_stability_statistics_against_the_learning_rate_are_the_runs_own(tmp_path):
+    """Wortsman et al.'s figures: each run's max attention logit, min attention entropy and max
+    |output log Z| (the extremes of what it logged) against the learning rate, with log Z over tokens."""
+    members = []
+    for lr in (1e-3, 1e-2):
+        for seed in (0, 1):
+            name = f"pre-lr{lr:g}-s{seed}"
+            run = fake_run(tmp_path, name, lr=lr, seed=seed, losses=[5.0, 4.0, 3.5, 3.0], stats=True)
+            with open(run / "metrics.jsonl", "a") as f:
+                for step, log_z in ((2, -1.5 * lr * 1e3), (4, 2.0 + seed)):
+                    f.write(json.dumps({"step": step, "log_z_mean": log_z}) + "\n")
+            values = {"model.norm_position": "pre", "optim.lr": lr}
+            members.append({"name": name, "variant": name[:-3], "seed": seed, "values": values, "labels": {}})
+    write_manifest(tmp_path, ["optim.lr", "model.norm_position"], members)
+    report = build(tmp_path)
+    s = report.summaries["pre-lr0.01-s1"]
+    assert (s.max_attn_logit, s.min_attn_entropy, s.max_abs_log_z) == (8.0, 0.4, 15.0)  # 2*4, min(0.5, 0.4), |-15|
+    assert report.summaries["pre-lr0.001-s1"].max_abs_log_z == 3.0  # max(|-1.5|, 3)
+    write_report(tmp_path, log=lambda _: None)
+    for stem in ("attn_logit_lr", "attn_entropy_lr", "log_z_lr", "log_z"):
+        assert (tmp_path / "plots" / f"{stem}.png").read_bytes()[:8] == PNG

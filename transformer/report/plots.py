@@ -158,6 +158,37 @@ def loss_vs_lr(report: Report) -> Figure | None:
     return fig
 
 
+def stat_vs_lr(report: Report, field: str, ylabel: str, log_y: bool = False) -> Figure | None:
+    """A run's stability statistic (a `Summary` field) against the learning rate, one line per
+    setting of the other varied keys, mean and std over seeds: Wortsman et al.'s attention-logit
+    growth and entropy collapse, and output-logit divergence, against the learning rate."""
+    if LR_KEY not in report.keys:
+        return None
+    others = [k for k in report.keys if k != LR_KEY]
+    lines: dict[str, dict[float, list[float]]] = {}
+    for run in report.finished(report.runs):
+        value = float(getattr(report.summaries[run.name], field))
+        if math.isfinite(value):
+            label = ",".join(format_value(run.values.get(k)) for k in others) or "all"
+            lines.setdefault(label, {}).setdefault(float(run.values[LR_KEY]), []).append(value)
+    if not lines:
+        return None
+    fig, (ax,) = _grid(1, width=7.0, height=4.5)
+    for color, (label, points) in zip(_colors(len(lines)), lines.items()):
+        lrs = sorted(points)
+        err = [np.std(points[lr], ddof=1) if len(points[lr]) > 1 else 0 for lr in lrs]
+        ax.errorbar(
+            lrs, [np.mean(points[lr]) for lr in lrs], yerr=err, color=color, marker="o", ms=3, capsize=2, label=label
+        )
+    ax.set_xscale("log")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set(xlabel="learning rate", ylabel=ylabel, title=f"{ylabel} against learning rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, title=", ".join(short_key(k) for k in others) or None, title_fontsize=7)
+    return fig
+
+
 def lr_transfer(report: Report) -> Figure | None:
     """Final loss against the learning rate, a curve per model size (µP's Figure 1), a panel per
     size key and setting of the other keys; a dotted line marks each size's best learning rate."""
@@ -240,6 +271,28 @@ def figures(report: Report, ladder: LadderSummary | None = None) -> list[tuple[s
         ("per-layer statistics at the end", "layers", per_layer(report)),
         ("loss against learning rate", "lr", loss_vs_lr(report)),
         ("learning-rate transfer across model size", "lr_transfer", lr_transfer(report)),
+        (
+            "max attention logit against learning rate",
+            "attn_logit_lr",
+            stat_vs_lr(report, "max_attn_logit", "max attention logit", log_y=True),
+        ),
+        (
+            "min attention entropy against learning rate",
+            "attn_entropy_lr",
+            stat_vs_lr(report, "min_attn_entropy", "min attention entropy (nats)"),
+        ),
+        (
+            "output |log Z| against learning rate",
+            "log_z_lr",
+            stat_vs_lr(report, "max_abs_log_z", "max |output log Z|", log_y=True),
+        ),
+        (
+            "output log Z against tokens",
+            "log_z",
+            curves(report, "log_z_mean", "output log Z (mean)", smooth=False)
+            if any(r.curve("log_z_mean")[0].size for r in report.runs)
+            else None,
+        ),
         ("final loss against training compute (ladder)", "scaling", loss_vs_compute(report, ladder)),
     ):
         if fig is not None:

@@ -48,6 +48,8 @@ COLUMNS = [  # (header, Summary field, format)
     ("rollbacks", "rollbacks", "{:.1f}"),
     ("max grad norm", "max_grad_norm", "{:.3g}"),
     ("max attn logit", "max_attn_logit", "{:.3g}"),
+    ("min attn entropy", "min_attn_entropy", "{:.3g}"),
+    ("max |log Z|", "max_abs_log_z", "{:.3g}"),
     ("tokens/s", "tokens_per_s", "{:,.0f}"),
 ]
 SENSITIVITY_TITLE = "Learning-rate sensitivity (Wortsman et al. 2023)"

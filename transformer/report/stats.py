@@ -175,6 +175,8 @@ class Summary:
     rollbacks: int
     max_grad_norm: float
     max_attn_logit: float
+    min_attn_entropy: float  # the lowest per-layer attention entropy logged (nats): collapse shows here
+    max_abs_log_z: float  # the largest |output log Z| logged (output-logit divergence drifts it)
     diverged: bool
     tokens_per_s: float
     tokens: int
@@ -201,6 +203,7 @@ def summarize(run: Run, budget: int | None) -> Summary:
     _, val = run.curve("val_loss")
     _, tps = run.curve("tokens_per_s")
     logit_max = [max(v) for v in (run.series.get("attn_logit_max") or {}).values() if isinstance(v, list) and v]
+    entropy = [min(v) for v in (run.series.get("attn_entropy") or {}).values() if isinstance(v, list) and v]
     final = float(loss[-1]) if len(loss) else math.nan
     return Summary(
         params=count_params(run.config.model),
@@ -214,6 +217,8 @@ def summarize(run: Run, budget: int | None) -> Summary:
         rollbacks=run.count("rollback"),
         max_grad_norm=_max(run.curve("grad_norm")[1]),
         max_attn_logit=float(max(logit_max)) if logit_max else math.nan,
+        min_attn_entropy=float(min(entropy)) if entropy else math.nan,
+        max_abs_log_z=_max(np.abs(run.curve("log_z_mean")[1])),
         diverged=run.count("divergence", "stopped") > 0 or (len(loss) > 0 and not math.isfinite(final)),
         tokens_per_s=float(np.nanmedian(tps)) if np.isfinite(tps).any() else math.nan,
         tokens=int(steps[-1]) * run.tokens_per_step if len(steps) else 0,
