@@ -298,8 +298,10 @@ def _set_final(run, final: float, steps: int) -> None:
 def test_a_ladders_report_has_the_fit_the_gains_and_the_paired_differences(tmp_path):
     _ladder_dir(tmp_path, gain=2.0)
     report = build(tmp_path)
-    (found,) = comparisons(report)  # post vs pre, paired by rung, learning rate and seed
+    found, *by_rung = comparisons(report)  # post vs pre, paired by rung, learning rate and seed; then rung by rung
     assert found.final.n == 16 and found.final.mean < 0 and found.equal_tokens is None
+    assert [c.within for c in by_rung] == ["rung=d32", "rung=d64", "rung=d96", "rung=d128"]
+    assert all(c.final.n == 4 and c.final.mean < 0 for c in by_rung)
     path = write_report(tmp_path, log=lambda _: None)
     md, html = path.read_text(), (tmp_path / "report.html").read_text()
     for title in ("## Paired differences over seeds", "## Scaling: loss against compute"):

@@ -173,6 +173,11 @@ class Comparison:
     base: str
     final: Paired
     equal_tokens: Paired | None  # None where every pair trained on the same tokens
+    within: str = ""  # "" for all pairs; "rung=N83k" for a ladder's pairs at one rung
+
+    @property
+    def label(self) -> str:
+        return f"{self.level} (at {self.within})" if self.within else self.level
 
 
 def comparisons(report: Report) -> list[Comparison]:
@@ -184,16 +189,27 @@ def comparisons(report: Report) -> list[Comparison]:
     if not order or order[0] not in cells:
         return []
     base = cells[order[0]]
-    seeds = {cell[-1] for cell in base} or {0}
+    # a ladder's pairs also rung by rung: whether a difference holds is a question of scale
+    others = [k for k in report.keys if k != report.compare]
+    at = others.index("rung") if "rung" in others else None
+    rungs = list(dict.fromkeys(c[at] for c in base)) if at is not None else []
     out = []
     for level in order[1:]:
-        pairs = [(base[c], run) for c, run in cells.get(level, {}).items() if c in base]
-        final = [report.final_loss(b) - report.final_loss(a) for a, b in pairs]
-        uneven = any(report.summaries[a.name].tokens != report.summaries[b.name].tokens for a, b in pairs)
-        per_seed = max(1.0, len(pairs) / len(seeds))
-        equal = Paired.of([_equal_tokens(report, a, b) for a, b in pairs], per_seed) if uneven else None
-        out.append(Comparison(format_value(level), format_value(order[0]), Paired.of(final, per_seed), equal))
+        pairs = {c: (base[c], run) for c, run in cells.get(level, {}).items() if c in base}
+        for rung in [None, *rungs]:
+            chosen = [p for c, p in pairs.items() if rung is None or c[at] == rung]  # type: ignore[index]
+            within = "" if rung is None else f"rung={rung}"
+            out.append(_comparison(report, format_value(level), format_value(order[0]), chosen, within))
     return out
+
+
+def _comparison(report: Report, level: str, base: str, pairs: list[tuple[Run, Run]], within: str) -> Comparison:
+    """The paired differences of (baseline run, level run) `pairs`."""
+    final = [report.final_loss(b) - report.final_loss(a) for a, b in pairs]
+    uneven = any(report.summaries[a.name].tokens != report.summaries[b.name].tokens for a, b in pairs)
+    per_seed = max(1.0, len(pairs) / max(1, len({a.seed for a, _ in pairs})))
+    equal = Paired.of([_equal_tokens(report, a, b) for a, b in pairs], per_seed) if uneven else None
+    return Comparison(level, base, Paired.of(final, per_seed), equal, within)
 
 
 def paired_rows(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -205,7 +221,7 @@ def paired_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in found:
         f = c.final
-        row = [c.level, c.base, str(f.n), f.cell(), f"{f.p:.2g}" if math.isfinite(f.p) else "–"]
+        row = [c.label, c.base, str(f.n), f.cell(), f"{f.p:.2g}" if math.isfinite(f.p) else "–"]
         row.append(str(f.seeds_needed) if f.seeds_needed else "–")
         if uneven:
             e = c.equal_tokens or f
@@ -215,7 +231,7 @@ def paired_rows(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def paired_lines(report: Report) -> list[str]:
-    return [c.final.verdict(c.level, c.base) for c in comparisons(report)]
+    return [c.final.verdict(c.label, c.base) for c in comparisons(report)]
 
 
 def paired_json(report: Report) -> list[dict]:
@@ -224,9 +240,10 @@ def paired_json(report: Report) -> list[dict]:
         {
             "level": c.level,
             "baseline": c.base,
+            "within": c.within,
             "final": dataclasses.asdict(c.final),
             "equal_tokens": None if c.equal_tokens is None else dataclasses.asdict(c.equal_tokens),
-            "verdict": c.final.verdict(c.level, c.base),
+            "verdict": c.final.verdict(c.label, c.base),
         }
         for c in comparisons(report)
     ]
