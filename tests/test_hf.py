@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -88,14 +90,7 @@ def test_export_then_import_gives_bitwise_identical_params(kind, tmp_path):
 
 
 def test_a_sharded_checkpoint_reads_as_the_single_file(tmp_path):
-    tensors = load_file(str(FIXTURES / "qwen3" / hf.WEIGHTS))
-    names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-    for file, part in shards.items():
-        save_file({n: tensors[n] for n in part}, str(tmp_path / file), metadata={"format": "pt"})
-    weight_map = {n: file for file, part in shards.items() for n in part}
-    (tmp_path / hf.WEIGHTS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    shutil.copy(FIXTURES / "qwen3" / hf.CONFIG_JSON, tmp_path)
+    _shard(tmp_path, "qwen3")
     _, whole = hf.load_model(FIXTURES / "qwen3")
     _, sharded = hf.load_model(tmp_path)
     for a, b in zip(jax.tree.leaves(_params(whole)), jax.tree.leaves(_params(sharded))):
@@ -272,3 +267,333 @@ def test_a_bfloat16_checkpoint_loads_exactly(param_dtype, tmp_path):
     for a, b in zip(jax.tree.leaves(_params(f32)), jax.tree.leaves(_params(bf16))):
         assert b.dtype == param_dtype
         assert np.array_equal(np.asarray(a).astype(ml_dtypes.bfloat16).astype(param_dtype), np.asarray(b))
+
+
+# --- hostile files: each a one-line refusal naming the file and the problem (issue 38) ------------------
+
+
+def _copy(tmp_path, family: str, files=(hf.CONFIG_JSON, hf.WEIGHTS)):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        shutil.copy(FIXTURES / family / file, tmp_path)
+    return tmp_path
+
+
+def _shard(tmp_path, family: str = "qwen3") -> dict[str, str]:
+    """`family`'s fixture as two shards and their index in `tmp_path`; returns the weight map."""
+    tensors = load_file(str(FIXTURES / family / hf.WEIGHTS))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(tmp_path / file), metadata={"format": "pt"})
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    _write_index(tmp_path, {"metadata": {}, "weight_map": weight_map})
+    shutil.copy(FIXTURES / family / hf.CONFIG_JSON, tmp_path)
+    return weight_map
+
+
+def _write_index(path, index) -> None:
+    data = index if isinstance(index, bytes) else json.dumps(index).encode()
+    (path / hf.WEIGHTS_INDEX).write_bytes(data)
+
+
+def _header(data: bytes) -> tuple[int, dict]:
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8 : 8 + n])
+
+
+def _with_header(data: bytes, header: dict) -> bytes:
+    n, _ = _header(data)
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data[8 + n :]
+
+
+def _edit_tensor(data: bytes, **entry) -> bytes:
+    """The file with its first tensor's header entry changed."""
+    _, header = _header(data)
+    first = next(k for k in header if k != "__metadata__")
+    return _with_header(data, header | {first: header[first] | entry})
+
+
+def _one_line_refusal(load, path, *says: str) -> str:
+    with pytest.raises(hf.HFError) as e:
+        load(path)
+    message = str(e.value)
+    assert "\n" not in message and all(s in message for s in says), message
+    return message
+
+
+WEIGHTS_CORRUPTIONS = {
+    "empty": lambda data: b"",
+    "truncated in the length": lambda data: data[:5],
+    "truncated in the header": lambda data: data[:100],
+    "truncated in the data": lambda data: data[:-10],
+    "random bytes": lambda data: np.random.default_rng(0).bytes(1000),
+    "a header length of 2^62": lambda data: (2**62).to_bytes(8, "little") + data[8:],
+    "a shape of [1e9, 1e9]": lambda data: _edit_tensor(data, shape=[10**9, 10**9]),
+    "offsets past the end": lambda data: _edit_tensor(data, data_offsets=[0, 10**12]),
+    "an unknown dtype": lambda data: _edit_tensor(data, dtype="X9"),
+    "a negative size": lambda data: _edit_tensor(data, shape=[-1]),
+}
+
+
+@pytest.mark.parametrize("kind", list(WEIGHTS_CORRUPTIONS))
+def test_a_malformed_weights_file_is_refused_naming_it(kind, tmp_path):
+    path = _copy(tmp_path, "qwen2")
+    (path / hf.WEIGHTS).write_bytes(WEIGHTS_CORRUPTIONS[kind]((FIXTURES / "qwen2" / hf.WEIGHTS).read_bytes()))
+    _one_line_refusal(hf.load_model, path, str(path / hf.WEIGHTS))
+
+
+def test_a_weights_file_linking_to_another_kind_of_file_is_refused_naming_it(tmp_path):
+    path = _copy(tmp_path, "qwen2", [hf.CONFIG_JSON])
+    (path / hf.WEIGHTS).symlink_to(path / hf.CONFIG_JSON)
+    _one_line_refusal(hf.load_model, path, str(path / hf.WEIGHTS), "not a safetensors file")
+
+
+def _index_cases(weight_map: dict[str, str]) -> dict[str, Any]:
+    first = sorted(weight_map)[0]
+    other = {"model-00001-of-00002.safetensors": "model-00002-of-00002.safetensors"}
+    return {
+        "not JSON": b'{"weight_map": ',
+        "binary": bytes(range(256)),
+        "a list": [weight_map],
+        "no weight_map": {"metadata": {}},
+        "weight_map a list": {"weight_map": list(weight_map.items())},
+        "integer values": {"weight_map": dict.fromkeys(weight_map, 1)},
+        "'.' as a file": {"weight_map": dict.fromkeys(weight_map, ".")},
+        "an empty name": {"weight_map": weight_map | {first: ""}},
+        "a shard that does not exist": {"weight_map": weight_map | {first: "model-00003-of-00002.safetensors"}},
+        "a tensor its shard does not hold": {"weight_map": weight_map | {first: other.get(weight_map[first], "x")}},
+    }
+
+
+@pytest.mark.parametrize("kind", list(_index_cases({"a.weight": "model-00001-of-00002.safetensors"})))
+def test_a_malformed_index_is_refused_naming_it(kind, tmp_path):
+    _write_index(tmp_path, _index_cases(_shard(tmp_path))[kind])
+    _one_line_refusal(hf.load_model, tmp_path, str(tmp_path / hf.WEIGHTS_INDEX))
+
+
+def test_a_shard_that_is_not_a_safetensors_file_is_refused_naming_it(tmp_path):
+    weight_map = _shard(tmp_path)
+    shard = tmp_path / sorted(weight_map.values())[0]
+    shard.write_bytes(shard.read_bytes()[:-1])
+    _one_line_refusal(hf.load_model, tmp_path, str(shard))
+
+
+@pytest.mark.parametrize("where", ["a relative path", "an absolute path", "a link inside to outside"])
+def test_an_index_naming_weights_outside_the_model_directory_is_refused(where, tmp_path):
+    """The index is data: it must not load weights from elsewhere on the machine."""
+    other = _copy(tmp_path / "other", "qwen3")
+    model = _copy(tmp_path / "model", "qwen3", [hf.CONFIG_JSON])
+    tensors = load_file(str(other / hf.WEIGHTS))
+    file = {"a relative path": "../other/model.safetensors", "an absolute path": str(other / hf.WEIGHTS)}.get(where)
+    if file is None:
+        (model / "model.safetensors.link").symlink_to(other / hf.WEIGHTS)
+        file = "model.safetensors.link"
+    _write_index(model, {"weight_map": dict.fromkeys(tensors, file)})
+    _one_line_refusal(hf.load_model, model, str(model / hf.WEIGHTS_INDEX), "outside")
+
+
+def test_a_hub_cache_snapshot_whose_files_link_into_its_blobs_loads(tmp_path):
+    """The Hugging Face hub's cache: snapshots/REV/* are links into ../../blobs; those are the model's."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "0123abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    weight_map = _shard(blobs)
+    for file in [*set(weight_map.values()), hf.WEIGHTS_INDEX, hf.CONFIG_JSON]:
+        (snapshot / file).symlink_to(Path("..", "..", "blobs", file))
+    _, whole = hf.load_model(FIXTURES / "qwen3")
+    _, cached = hf.load_model(snapshot)
+    for a, b in zip(jax.tree.leaves(_params(whole)), jax.tree.leaves(_params(cached))):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize(("dtype", "name"), [("int32", "I32"), ("int64", "I64"), ("uint8", "U8"), ("bool", "BOOL")])
+def test_integer_or_bool_weights_are_refused_naming_the_tensor_and_dtype(dtype, name, tmp_path):
+    path = _copy(tmp_path, "qwen2", [hf.CONFIG_JSON])
+    tensors = load_file(str(FIXTURES / "qwen2" / hf.WEIGHTS))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(dtype)
+    save_file(tensors, str(path / hf.WEIGHTS))
+    _one_line_refusal(hf.load_model, path, "model.norm.weight", name, str(path / hf.WEIGHTS))
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "field", "says"),
+    [
+        ("llama", {"num_attention_heads": 0}, "num_attention_heads", "must be a positive integer below 2^31, got 0"),
+        (
+            "llama",
+            {"num_attention_heads": "4"},
+            "num_attention_heads",
+            "must be a positive integer below 2^31, got '4'",
+        ),
+        (
+            "llama",
+            {"num_attention_heads": True},
+            "num_attention_heads",
+            "must be a positive integer below 2^31, got True",
+        ),
+        (
+            "llama",
+            {"num_attention_heads": 2.5},
+            "num_attention_heads",
+            "must be a positive integer below 2^31, got 2.5",
+        ),
+        ("llama", {"num_key_value_heads": 0}, "num_key_value_heads", "must be a positive integer"),
+        ("llama", {"hidden_size": [32]}, "hidden_size", "must be a positive integer"),
+        ("llama", {"num_hidden_layers": 2**40}, "num_hidden_layers", "must be a positive integer below 2^31"),
+        ("llama", {"head_dim": -8}, "head_dim", "must be a positive integer"),
+        ("llama", {"rope_parameters": "yes"}, "rope_parameters", "must be an object, got 'yes'"),
+        ("llama", {"rope_parameters.factor": "8"}, "rope_parameters.factor", "must be a positive number"),
+        ("llama", {"rope_parameters.factor": None}, "rope_parameters.factor", "is missing"),
+        ("llama", {"rope_parameters.rope_theta": float("nan")}, "rope_parameters.rope_theta", "positive number"),
+        ("llama", {"rope_parameters.rope_type": ["llama3"]}, "rope_parameters.rope_type", "is not supported"),
+        (
+            "llama",
+            {"rope_parameters.original_max_position_embeddings": 2.5},
+            "rope_parameters.original_max_position_embeddings",
+            "must be a positive integer",
+        ),
+        ("llama", {"rms_norm_eps": "small"}, "rms_norm_eps", "must be a positive number"),
+        ("llama", {"tie_word_embeddings": "no"}, "tie_word_embeddings", "must be true or false"),
+        ("llama", {"hidden_act": ["silu"]}, "hidden_act", "is not supported"),
+        ("llama", {"model_type": ["llama"]}, "model_type", "is not supported"),
+        ("qwen2", {"layer_types": 5}, "layer_types", "must be a list"),
+        ("qwen2", {"use_sliding_window": "false"}, "use_sliding_window", "must be true or false"),
+        ("mistral", {"sliding_window": "4k"}, "sliding_window", "must be a positive integer"),
+        ("gpt2", {"n_head": 0}, "n_head", "must be a positive integer"),
+        ("gpt2", {"n_embd": 30}, "n_embd", "a multiple of n_head"),
+        ("gpt2", {"layer_norm_epsilon": -1}, "layer_norm_epsilon", "must be a positive number"),
+    ],
+)
+def test_wrong_typed_config_json_values_are_refused_naming_the_field(family, changes, field, says, tmp_path):
+    with pytest.raises(hf.HFError) as e:
+        hf.model_config(_edited_fixture(tmp_path, family, **changes))
+    message = str(e.value)
+    assert message.startswith(f"config.json: {field}: ") and says in message and "\n" not in message, message
+
+
+def test_a_model_whose_vocabulary_cannot_take_the_byte_tokenizer_is_refused(tmp_path):
+    from transformer.eval import pretrained
+
+    path = _edited_fixture(tmp_path, "qwen2", vocab_size=200)  # and no tokenizer.json beside it
+    _one_line_refusal(pretrained.pretrained_config, path, "tokenizer.json", "byte", "259", "200")
+
+
+def test_eval_hf_without_tokenizer_json_says_which_tokenizer_it_uses(monkeypatch, capsys):
+    from transformer.cli import eval_main
+    from transformer.eval import pretrained
+
+    monkeypatch.setattr(pretrained, "evaluate_pretrained", lambda *args: {"loss": 1.0})
+    assert eval_main(["--hf", str(FIXTURES / "qwen2"), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and "data.tokenizer=byte" in err, err
+    assert eval_main(["--hf", str(FIXTURES / "llama"), "--json"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "text", [b"{not json", b"[]", b'{"eos_token": 5}', b'{"bos_token": {"content": 3}}', b"\xff\xfe"]
+)
+def test_a_broken_tokenizer_config_is_refused_naming_it(text, tmp_path):
+    from transformer.eval import pretrained
+
+    path = _copy(tmp_path, "llama", [hf.CONFIG_JSON, hf.WEIGHTS, hf.TOKENIZER_JSON])
+    (path / "tokenizer_config.json").write_bytes(text)
+    _one_line_refusal(pretrained.pretrained_config, path, str(path / "tokenizer_config.json"))
+
+
+@pytest.mark.parametrize("kind", ["a file", "a dangling link", "under a file", "a non-empty directory", "unwritable"])
+def test_export_to_an_unusable_out_is_refused_before_anything_is_read(kind, tmp_path, capsys):
+    from transformer.cli import eval_main
+
+    out = tmp_path / "out"
+    if kind == "a file":
+        out.write_text("x")
+    elif kind == "a dangling link":
+        out.symlink_to(tmp_path / "nowhere")
+    elif kind == "under a file":
+        out.write_text("x")
+        out = out / "model"
+    elif kind == "a non-empty directory":
+        out.mkdir()
+        (out / "x").write_text("x")
+    else:
+        out = Path("/proc/hf-export-test/model")  # nobody, root included, can make a directory there
+    # no run at --workdir: the refusal must come before anything is read
+    err = _usage_error(capsys, eval_main, ["--workdir", str(tmp_path / "no-run"), "--export-hf", str(out)])
+    assert err.startswith(f"eval.py: error: --export-hf: {out}"), err
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_save_into_an_unwritable_place_is_refused_in_one_line(tmp_path):
+    m = _ours()
+    (tmp_path / "file").write_text("x")
+    _one_line_refusal(
+        lambda out: hf.save(m, _params(Transformer(m, rngs=nnx.Rngs(1))), out), tmp_path / "file", "--export-hf"
+    )
+
+
+# --- fuzzing: deterministic corruptions of a fixture, each loading or refused in one line ----------------
+
+
+def _fuzzed_weights(data: bytes, rng: np.random.Generator) -> list[tuple[str, bytes, bool]]:
+    """(what, the corrupted file, whether it must be refused): a flipped byte in the tensors' data
+    cannot be told from a weight, one in the header sometimes leaves a valid file."""
+    n, _ = _header(data)
+    cases = [(f"truncated at {i}", data[:i], True) for i in (0, 1, 7, 8, 9, 8 + n // 2, 8 + n - 1, 8 + n, 8 + n + 1)]
+    cases += [(f"truncated at {i}", data[:i], True) for i in rng.integers(8 + n, len(data), 3)]
+    lengths = (0, 1, n - 1, n + 1, len(data), 2**32, 2**62, 2**64 - 1)
+    cases += [(f"header length {v}", v.to_bytes(8, "little") + data[8:], True) for v in lengths]
+    for where, lo, hi, refused in (("header", 8, 8 + n, False), ("data", 8 + n, len(data), False)):
+        for i in rng.integers(lo, hi, 8):
+            flipped = bytearray(data)
+            flipped[i] ^= int(rng.integers(1, 256))
+            cases.append((f"byte {i} of the {where} flipped", bytes(flipped), refused))
+    return cases
+
+
+def test_fuzzed_checkpoints_load_or_are_refused_in_one_line(tmp_path):
+    rng = np.random.default_rng(38)
+    path = _copy(tmp_path / "single", "qwen2")
+    data = (FIXTURES / "qwen2" / hf.WEIGHTS).read_bytes()
+    refused = 0
+    for what, corrupted, must_refuse in _fuzzed_weights(data, rng):
+        (path / hf.WEIGHTS).write_bytes(corrupted)
+        try:
+            hf.load_model(path)
+        except hf.HFError as e:
+            assert "\n" not in str(e) and "model.init_from: " in str(e), (what, str(e))
+            refused += 1
+        else:
+            assert not must_refuse, what
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    cases = _index_cases(_shard(sharded))
+    index = json.loads((sharded / hf.WEIGHTS_INDEX).read_text())
+    text = json.dumps(index).encode()
+    cases |= {f"index truncated at {i}": text[:i] for i in rng.integers(0, len(text), 6)}
+    for what, case in cases.items():
+        _write_index(sharded, case)
+        with pytest.raises(hf.HFError) as e:
+            hf.load_model(sharded)
+        assert "\n" not in str(e.value) and str(sharded) in str(e.value), (what, str(e.value))
+        refused += 1
+    assert refused >= 40
+
+
+@pytest.mark.parametrize("kind", ["truncated weights", "an index reaching outside"])
+def test_a_hostile_checkpoint_through_eval_py_is_one_line_exit_2(kind, tmp_path):
+    path = _copy(tmp_path / "model", "llama", [hf.CONFIG_JSON, hf.TOKENIZER_JSON, "tokenizer_config.json"])
+    if kind == "truncated weights":
+        (path / hf.WEIGHTS).write_bytes((FIXTURES / "llama" / hf.WEIGHTS).read_bytes()[:-100])
+    else:
+        tensors = load_file(str(FIXTURES / "llama" / hf.WEIGHTS))
+        _write_index(path, {"weight_map": dict.fromkeys(tensors, str(FIXTURES / "llama" / hf.WEIGHTS))})
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "eval.py", "--hf", str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("eval.py: error: model.init_from: ") and str(path) in lines[0], lines[0]

@@ -480,6 +480,8 @@ def eval_main(argv: list[str] | None = None) -> int:
         _fail("eval.py", "--step picks a run's checkpoint; a Hugging Face model (--hf) has one set of weights")
     prompts = _prompts(args)
     _check_eval_args(args)
+    if args.export_hf is not None or args.hf is not None:  # OUT and the checkpoint before anything is read
+        _check_hf_arguments(args)
 
     from transformer.data import DataError
     from transformer.io import CheckpointError
@@ -498,6 +500,23 @@ def eval_main(argv: list[str] | None = None) -> int:
         _fail("eval.py", f"data: {e}")
     except CheckpointError as e:
         _fail("eval.py", f"checkpoint: {e}")
+
+
+def _check_hf_arguments(args: argparse.Namespace) -> None:
+    """--export-hf OUT: a place a model directory can be written; --hf PATH: its config.json, weights'
+    headers and tokenizer sound, and a note when PATH brings no tokenizer of its own."""
+    from transformer.eval import note, pretrained
+    from transformer.io import hf
+
+    try:
+        if args.export_hf is not None:
+            hf.check_export_dir(Path(args.export_hf))
+        if args.hf is not None:
+            line = hf.tokenizer_note(pretrained.pretrained_config(Path(args.hf), args.overrides))
+            if line is not None:
+                note(line)
+    except ConfigError as e:
+        _fail("eval.py", str(e))
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:

@@ -23,22 +23,28 @@ Axis legend as in model/layers.py; HF linear weights are [out, in], GPT-2's Conv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
+import os
 import re
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from transformer.config import Config, ConfigError, ModelConfig, flatten
+from transformer.config import INT_LIMIT, Config, ConfigError, ModelConfig, flatten
+from transformer.errors import first_line
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # its special tokens
 READ_BLOCK_BYTES = 64 * 2**20  # a larger tensor is read in blocks of rows (see Checkpoint.get)
 ALIGNMENT = 64  # bytes: see host_array
 
@@ -70,30 +76,66 @@ def pinned(keys: dict) -> dict:
     return defaults | keys
 
 
-def _field(hf: dict, name: str, default: Any = None) -> Any:
+def _field(hf: dict, name: str, default: Any = None, where: str = "") -> Any:
+    """config.json's `name` (in the object `where`, "" for the top level), or `default` if it is absent or null."""
     value = hf.get(name, default)
     if value is None and default is None:
-        raise _refuse(name, "is missing")
+        raise _refuse(where + name, "is missing")
     return value if value is not None else default
+
+
+def _positive(hf: dict, name: str, default: int | None = None, where: str = "") -> int:
+    value = _field(hf, name, default, where)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < INT_LIMIT:
+        raise _refuse(where + name, f"must be a positive integer below 2^31, got {value!r}")
+    return value
+
+
+def _optional_positive(hf: dict, name: str) -> int | None:
+    """A positive integer where null (or no value) means "none" or "derived"."""
+    return None if hf.get(name) is None else _positive(hf, name)
+
+
+def _number(hf: dict, name: str, default: float | None = None, where: str = "") -> float:
+    value = _field(hf, name, default, where)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise _refuse(where + name, f"must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _flag(hf: dict, name: str, default: bool) -> bool:
+    value = _field(hf, name, default)
+    if not isinstance(value, bool):
+        raise _refuse(name, f"must be true or false, got {value!r}")
+    return value
+
+
+def _object(hf: dict, name: str) -> dict:
+    """A nested object (null or absent: empty)."""
+    value = hf.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise _refuse(name, f"must be an object, got {value!r}")
+    return value or {}
 
 
 def _rope_keys(hf: dict) -> dict:
     """RoPE theta and scaling, from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    where = "rope_parameters" if hf.get("rope_parameters") not in (None, {}) else "rope_scaling"
+    params = _object(hf, where)
     kind = params.get("rope_type", params.get("type", "default"))
-    keys = dict(rope_theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))))
+    theta = _number(params, "rope_theta", None, f"{where}.") if params.get("rope_theta") is not None else None
+    keys = dict(rope_theta=theta or _number(hf, "rope_theta", 10000.0))
     if kind == "default":
         return keys
     if kind == "linear":
-        return keys | dict(rope_scaling="linear", rope_factor=float(params["factor"]))
+        return keys | dict(rope_scaling="linear", rope_factor=_number(params, "factor", where=f"{where}."))
     if kind == "llama3":
         return keys | dict(
             rope_scaling="llama3",
-            rope_factor=float(params["factor"]),
-            rope_low_freq_factor=float(params["low_freq_factor"]),
-            rope_high_freq_factor=float(params["high_freq_factor"]),
-            rope_original_max_len=int(params["original_max_position_embeddings"]),
+            rope_factor=_number(params, "factor", where=f"{where}."),
+            rope_low_freq_factor=_number(params, "low_freq_factor", where=f"{where}."),
+            rope_high_freq_factor=_number(params, "high_freq_factor", where=f"{where}."),
+            rope_original_max_len=_positive(params, "original_max_position_embeddings", where=f"{where}."),
         )
     raise _refuse(f"{where}.rope_type", f"{kind!r} is not supported (default, linear, llama3)")
 
@@ -104,46 +146,48 @@ MLP_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gel
 
 def _choice(hf: dict, name: str, table: dict[str, str]) -> str:
     value = _field(hf, name)
-    if value not in table:
+    if not isinstance(value, str) or value not in table:
         raise _refuse(name, f"{value!r} is not supported ({', '.join(table)})")
     return table[value]
 
 
 def _full_attention_only(hf: dict) -> None:
     """Qwen's per-layer sliding windows are not reproduced: every layer must attend fully."""
-    if hf.get("use_sliding_window"):
+    if _flag(hf, "use_sliding_window", False):
         raise _refuse("use_sliding_window", "true is not supported (per-layer sliding windows)")
-    kinds = set(hf.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise _refuse("layer_types", f"only full_attention layers are supported, got {sorted(kinds)}")
+    kinds = hf.get("layer_types") or ["full_attention"]
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+        raise _refuse("layer_types", f"must be a list of layer kinds, got {kinds!r}")
+    if set(kinds) != {"full_attention"}:
+        raise _refuse("layer_types", f"only full_attention layers are supported, got {sorted(set(kinds))}")
 
 
 def _llama_keys(hf: dict) -> dict:
     """The decoder shared by Llama, Mistral and Qwen: RoPE, RMSNorm, a gated FFN, GQA."""
-    D, N = _field(hf, "hidden_size"), _field(hf, "num_attention_heads")
-    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    D, N = _positive(hf, "hidden_size"), _positive(hf, "num_attention_heads")
+    attention_bias, mlp_bias = _flag(hf, "attention_bias", False), _flag(hf, "mlp_bias", False)
     if attention_bias != mlp_bias:
         raise _refuse("attention_bias", f"{attention_bias} with mlp_bias {mlp_bias}: biases go on all or none")
     return dict(
         d_model=D,
-        n_layers=_field(hf, "num_hidden_layers"),
+        n_layers=_positive(hf, "num_hidden_layers"),
         n_heads=N,
-        n_kv_heads=hf.get("num_key_value_heads") or N,
-        head_dim=hf.get("head_dim") or D // N,
-        d_ff=_field(hf, "intermediate_size"),
-        vocab_size=_field(hf, "vocab_size"),
+        n_kv_heads=_optional_positive(hf, "num_key_value_heads") or N,
+        head_dim=_optional_positive(hf, "head_dim") or D // N,
+        d_ff=_positive(hf, "intermediate_size"),
+        vocab_size=_positive(hf, "vocab_size"),
         position="rope",
         norm="rmsnorm",
-        norm_eps=float(_field(hf, "rms_norm_eps", 1e-6)),
+        norm_eps=_number(hf, "rms_norm_eps", 1e-6),
         ffn=_choice(hf, "hidden_act", GATED_ACTIVATIONS),
         use_bias=attention_bias,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", False),
         **_rope_keys(hf),
     )
 
 
 def _mistral_keys(hf: dict) -> dict:
-    return _llama_keys(hf) | dict(window=hf.get("sliding_window"))
+    return _llama_keys(hf) | dict(window=_optional_positive(hf, "sliding_window"))
 
 
 def _qwen2_keys(hf: dict) -> dict:
@@ -158,25 +202,27 @@ def _qwen3_keys(hf: dict) -> dict:
 
 def _gpt2_keys(hf: dict) -> dict:
     for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
-        if hf.get(name):
+        if _flag(hf, name, False):
             raise _refuse(name, "true is not supported")
-    D = _field(hf, "n_embd")
+    D, N = _positive(hf, "n_embd"), _positive(hf, "n_head")
+    if D % N:
+        raise _refuse("n_embd", f"{D} is not a multiple of n_head ({N})")
     return dict(
         d_model=D,
-        n_layers=_field(hf, "n_layer"),
-        n_heads=_field(hf, "n_head"),
-        n_kv_heads=_field(hf, "n_head"),
-        head_dim=D // _field(hf, "n_head"),
-        d_ff=hf.get("n_inner") or 4 * D,
-        vocab_size=_field(hf, "vocab_size"),
-        max_seq_len=_field(hf, "n_positions"),
+        n_layers=_positive(hf, "n_layer"),
+        n_heads=N,
+        n_kv_heads=N,
+        head_dim=D // N,
+        d_ff=_optional_positive(hf, "n_inner") or 4 * D,
+        vocab_size=_positive(hf, "vocab_size"),
+        max_seq_len=_positive(hf, "n_positions"),
         position="learned",
         norm="layernorm",
-        norm_eps=float(_field(hf, "layer_norm_epsilon", 1e-5)),
+        norm_eps=_number(hf, "layer_norm_epsilon", 1e-5),
         ffn=_choice(hf, "activation_function", MLP_ACTIVATIONS),
-        attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
+        attn_scale=None if _flag(hf, "scale_attn_weights", True) else 1.0,
         use_bias=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", True),
     )
 
 
@@ -486,8 +532,10 @@ def read_config_json(path: Path) -> dict:
         raise HFError("model.init_from", f"{path} holds no {CONFIG_JSON} (a Hugging Face model directory)")
     try:
         hf = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise HFError("model.init_from", f"{file} is not JSON: {str(e).splitlines()[0]}") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise HFError("model.init_from", f"{file} is not JSON: {first_line(e)}") from None
+    except OSError as e:
+        raise HFError("model.init_from", f"cannot read {file}: {e.strerror or first_line(e)}") from None
     if not isinstance(hf, dict):
         raise HFError("model.init_from", f"{file} is not a JSON object")
     return hf
@@ -495,42 +543,123 @@ def read_config_json(path: Path) -> dict:
 
 def family_of(hf: dict) -> Family:
     kind = hf.get("model_type")
-    if kind not in FAMILIES:
+    if not isinstance(kind, str) or kind not in FAMILIES:
         raise _refuse("model_type", f"{kind!r} is not supported ({', '.join(FAMILIES)})")
     return FAMILIES[kind]
 
 
 def architecture(path: Path) -> dict:
-    """The model.* keys of the checkpoint at `path` (every option it uses checked here)."""
+    """The model.* keys of the checkpoint at `path` (every field it uses checked here, each refusal
+    naming the field and what it takes)."""
     hf = read_config_json(path)
     try:
         return pinned(family_of(hf).keys(hf))
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, HFError):
+    except (ArithmeticError, AttributeError, KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
             raise
-        raise _refuse(str(e).strip("'"), f"is missing or malformed ({type(e).__name__})") from None
+        # a field the readers above do not check yet: still one line naming the file
+        raise HFError("model.init_from", f"{path / CONFIG_JSON} is malformed ({type(e).__name__}: {e})") from None
 
 
 # --- reading the weights ----------------------------------------------------------------------------
 
 
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # what a weight may be stored as (safetensors' names)
+
+
+@contextlib.contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """safetensors' errors about `file` (a malformed header, sizes past its end, ...) and the
+    system's as one HFError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise HFError("model.init_from", f"{file} is not a safetensors file: {first_line(e)}") from None
+    except OSError as e:
+        raise HFError("model.init_from", f"cannot read {file}: {e.strerror or first_line(e)}") from None
+
+
+def _tensor_dtypes(file: Path) -> dict[str, str]:
+    """The tensors a safetensors file holds and their dtypes, from its header (checked whole)."""
+    from safetensors import safe_open
+
+    with _reading(file), safe_open(file, framework="numpy") as f:
+        return {name: f.get_slice(name).get_dtype() for name in f.keys()}
+
+
+def _inside(file: Path, directory: Path) -> bool:
+    """Whether `file`, links resolved, lies in `directory`, or in the blobs of the Hugging Face hub's
+    cache where `directory` is one of its snapshots (whose files are links into ../../blobs)."""
+    target, home = file.resolve(), directory.resolve()
+    roots = [home] + ([home.parent.parent / "blobs"] if home.parent.name == "snapshots" else [])
+    return any(target.is_relative_to(root) for root in roots)
+
+
+def _shard(path: Path, name: str, file: Any) -> Path:
+    """The file the index names for tensor `name`: a file in the model directory, or refused."""
+    index = path / WEIGHTS_INDEX
+    if not isinstance(file, str) or not file:
+        raise HFError("model.init_from", f"{index}: weight_map gives {name} the file {file!r}, not a file name")
+    shard = path / file
+    if not shard.is_file():
+        raise HFError("model.init_from", f"{index}: {name} is in {file!r}, which is not a file in {path}")
+    if not _inside(shard, path):
+        raise HFError("model.init_from", f"{index}: {name} is in {file!r}, outside {path} (links resolved): refused")
+    return shard
+
+
+def _index_files(path: Path) -> dict[str, Path]:
+    """The file of each tensor, as a sharded checkpoint's index maps them."""
+    index = path / WEIGHTS_INDEX
+    try:
+        data = json.loads(index.read_bytes())
+    except OSError as e:
+        raise HFError("model.init_from", f"cannot read {index}: {e.strerror or first_line(e)}") from None
+    except (ValueError, RecursionError) as e:  # not JSON (or nested past Python's stack), or not text
+        raise HFError("model.init_from", f"{index} is not JSON: {first_line(e)}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise HFError("model.init_from", f"{index} has no weight_map object (tensor name -> file name)")
+    files, checked = {}, {}  # each file checked once
+    for name, file in weight_map.items():
+        if not (isinstance(file, str) and file in checked):
+            checked[file] = _shard(path, name, file)
+        files[name] = checked[file]
+    return files
+
+
 class Checkpoint:
     """The tensors of a checkpoint directory by name (one file, or the shards of an index), each read
-    on its own with the file open only meanwhile."""
+    on its own with the file open only meanwhile. Every header is read and checked on opening: the
+    index's files are the directory's own, hold the tensors it names, and every weight is floating
+    point."""
 
     def __init__(self, path: Path, layout: Layout):
         self.layout = layout
         if (path / WEIGHTS_INDEX).is_file():
-            weight_map = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"]
-            self.files = {name: path / file for name, file in weight_map.items()}
+            self.files = _index_files(path)
         elif (path / WEIGHTS).is_file():
-            from safetensors import safe_open
-
-            with safe_open(path / WEIGHTS, framework="numpy") as f:
-                self.files = dict.fromkeys(f.keys(), path / WEIGHTS)
+            self.files = dict.fromkeys(_tensor_dtypes(path / WEIGHTS), path / WEIGHTS)
         else:
             raise HFError("model.init_from", f"{path} holds neither {WEIGHTS} nor {WEIGHTS_INDEX}")
         self.read: set[str] = set()
+        for file in sorted(set(self.files.values())):
+            self._check_header(path, file)
+
+    def _check_header(self, path: Path, file: Path) -> None:
+        dtypes = _tensor_dtypes(file)
+        for name in (n for n, f in self.files.items() if f == file):
+            if name not in dtypes:
+                raise HFError(
+                    "model.init_from", f"{path / WEIGHTS_INDEX}: {name} is in {file.name}, which does not hold it"
+                )
+            if dtypes[name] not in FLOAT_DTYPES and not re.search(self.layout.ignored, name):
+                raise HFError(
+                    "model.init_from",
+                    f"{file}: tensor {name} is {dtypes[name]}; weights are floating point ({', '.join(FLOAT_DTYPES)})",
+                )
 
     def name(self, name: str) -> str:
         """The name as this checkpoint spells it (some GPT-2 files leave out "transformer.")."""
@@ -549,18 +678,19 @@ class Checkpoint:
         name = self.name(name)
         self.read.add(name)
         file = self.files[name]
-        with safe_open(file, framework="numpy") as f:
-            part = f.get_slice(name)
-            shape = part.get_shape()
-            first = part[:1] if shape else None
-            if first is None or first.nbytes * shape[0] <= READ_BLOCK_BYTES:
-                return f.get_tensor(name)
-        rows = max(1, READ_BLOCK_BYTES // first.nbytes)
-        out = host_array(tuple(shape), first.dtype)
-        for start in range(0, shape[0], rows):
+        with _reading(file):
             with safe_open(file, framework="numpy") as f:
-                stop = min(start + rows, shape[0])
-                out[start:stop] = f.get_slice(name)[start:stop]
+                part = f.get_slice(name)
+                shape = part.get_shape()
+                first = part[:1] if shape else None
+                if first is None or first.nbytes * shape[0] <= READ_BLOCK_BYTES:
+                    return f.get_tensor(name)
+            rows = max(1, READ_BLOCK_BYTES // first.nbytes)
+            out = host_array(tuple(shape), first.dtype)
+            for start in range(0, shape[0], rows):
+                with safe_open(file, framework="numpy") as f:
+                    stop = min(start + rows, shape[0])
+                    out[start:stop] = f.get_slice(name)[start:stop]
         return out
 
     def check_all_read(self) -> None:
@@ -618,9 +748,14 @@ def _load_one(ckpt: Checkpoint, rule: Rule, m: ModelConfig, like: jax.ShapeDtype
     """One parameter, placed as `like.sharding` says. A layer-stacked one is assembled a layer at a
     time in the host array the device array is made from (the device's own memory, on a CPU)."""
     if rule.per_layer:
-        host = host_array(like.shape, like.dtype)
+        for layer in range(like.shape[0]):  # every layer's tensors there, before the stack's memory is taken
+            for n in rule.hf_names(layer):
+                ckpt.name(n)
         layer_like = jax.ShapeDtypeStruct(like.shape[1:], like.dtype)
-        for layer in range(like.shape[0]):
+        first = _converted(ckpt, rule, m, 0, layer_like)  # and of the size config.json says
+        host = host_array(like.shape, like.dtype)
+        host[0] = first
+        for layer in range(1, like.shape[0]):
             host[layer] = _converted(ckpt, rule, m, layer, layer_like)
     else:
         host = _converted(ckpt, rule, m, None, like)
@@ -705,15 +840,45 @@ def hf_tensors(m: ModelConfig, family: Family, params: dict) -> dict[str, np.nda
     return tensors
 
 
+def check_export_dir(out: Path) -> None:
+    """Refuse an OUT that `--export-hf` could not write, before anything is read: a file, a link to
+    nowhere, a directory with files in it, or a place where no directory can be made or written. A
+    directory made to find that out is removed again."""
+    made: list[Path] = []
+    try:
+        made = [p for p in (out, *out.parents) if not p.exists() and not p.is_symlink()]
+        if out.is_symlink() and not out.exists():
+            raise HFError("--export-hf", f"{out} is a link to nothing ({os.readlink(out)}): give a new directory")
+        if out.exists() and not out.is_dir():
+            raise HFError("--export-hf", f"{out} exists and is not a directory: give a new directory")
+        if out.is_dir() and any(out.iterdir()):
+            raise HFError("--export-hf", f"{out} exists and is not empty: give a new directory")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise HFError("--export-hf", f"{out}: cannot write there: {e.strerror or first_line(e)}") from None
+    finally:
+        for p in made:  # the deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
 def save(m: ModelConfig, params: dict, out: Path, token_ids: dict[str, Any] | None = None) -> Family:
     """Write config.json and model.safetensors for `params` (a model of `m`) into `out`."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     family = export_family(m)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(hf_tensors(m, family, params), str(out / WEIGHTS), metadata={"format": "pt"})
     config = hf_config(m, family, token_ids or {})
-    (out / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(hf_tensors(m, family, params), str(out / WEIGHTS), metadata={"format": "pt"})
+        (out / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
+    except (OSError, SafetensorError) as e:
+        raise HFError(
+            "--export-hf", f"{out}: cannot write there: {getattr(e, 'strerror', None) or first_line(e)}"
+        ) from None
     return family
 
 
@@ -723,7 +888,7 @@ def save(m: ModelConfig, params: dict, out: Path, token_ids: dict[str, Any] | No
 def model_config(path: Path, **options: Any) -> ModelConfig:
     """The ModelConfig of the checkpoint at `path`; `options` set the keys config.json leaves free
     (dtype, scan_layers, attention_impl, vocab_multiple, ...)."""
-    return ModelConfig(**(options | architecture(path)))
+    return _built(path, None, options | architecture(path))
 
 
 def abstract_params(m: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> dict:
@@ -773,10 +938,73 @@ def _written_keys(config_path: str | None, overrides: list[str]) -> dict[str, An
     return {k: v for k, v in written.items() if default.get(k, missing) != v}
 
 
+def _check_tokenizer_config(tokenizer: Path) -> None:
+    """The tokenizer_config.json beside a pretrained tokenizer, if any: BOS, EOS and PAD as tokens."""
+    file = (tokenizer if tokenizer.is_dir() else tokenizer.parent) / TOKENIZER_CONFIG
+    if not file.is_file():
+        return
+    try:
+        named = json.loads(file.read_bytes())
+    except OSError as e:
+        raise HFError("data.tokenizer", f"cannot read {file}: {e.strerror or first_line(e)}") from None
+    except (ValueError, RecursionError) as e:
+        raise HFError("data.tokenizer", f"{file} is not JSON: {first_line(e)}") from None
+    if not isinstance(named, dict):
+        raise HFError("data.tokenizer", f"{file} is not a JSON object")
+    for key in ("bos_token", "eos_token", "pad_token"):
+        value = named.get(key)
+        token = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(token, str):
+            raise HFError(
+                "data.tokenizer",
+                f"{file}: {key} must be a token (text, or an object whose content is text), got {value!r}",
+            )
+
+
+def _check_tokenizer(path: Path, tokenizer: str, vocab_size: int) -> None:
+    """The tokenizer a run from the checkpoint at `path` takes: the byte tokenizer's ids must fit the
+    model's vocabulary, and a pretrained one's tokenizer_config.json must be sound."""
+    from transformer.data import ByteTokenizer
+
+    if tokenizer == "byte" and ByteTokenizer.vocab_size > vocab_size:
+        none = "" if (path / TOKENIZER_JSON).is_file() else f"{path} holds no {TOKENIZER_JSON}, and "
+        raise HFError(
+            "data.tokenizer",
+            f"{none}the byte tokenizer's {ByteTokenizer.vocab_size} ids do not fit the model's vocabulary of "
+            f"{vocab_size}: give data.tokenizer=pretrained:DIR (the model's own tokenizer)",
+        )
+    if tokenizer.startswith("pretrained:"):
+        _check_tokenizer_config(Path(tokenizer.partition(":")[2]).expanduser())
+
+
+def _built(path: Path, base: ModelConfig | None, keys: dict) -> ModelConfig:
+    """The ModelConfig of `keys` (over `base`'s); one that cannot be built is refused naming config.json."""
+    try:
+        return ModelConfig(**keys) if base is None else dataclasses.replace(base, **keys)
+    except ConfigError as e:
+        raise HFError(
+            "model.init_from", f"{path / CONFIG_JSON} describes a model that cannot be built: model.{e}"
+        ) from None
+
+
+def tokenizer_note(cfg: Config) -> str | None:
+    """A line for the user when the model.init_from checkpoint brings no tokenizer of its own: which
+    one the run takes instead."""
+    if cfg.model.init_from is None or cfg.data.tokenizer.startswith("pretrained:"):
+        return None
+    path = Path(cfg.model.init_from).expanduser()
+    if (path / TOKENIZER_JSON).is_file():
+        return None
+    return (
+        f"{path} holds no {TOKENIZER_JSON}: using data.tokenizer={cfg.data.tokenizer} (set data.tokenizer for another)"
+    )
+
+
 def with_pretrained(cfg: Config, config_path: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """`cfg` with the architecture of its model.init_from checkpoint, and its tokenizer when the
     config names none. A model key the config sets to a value config.json contradicts is refused
-    with a diff, before anything is built."""
+    with a diff, and the weights' index and headers and the tokenizer are checked, before anything
+    is built."""
     assert cfg.model.init_from is not None
     path = Path(cfg.model.init_from).expanduser()
     arch = architecture(path)
@@ -792,8 +1020,10 @@ def with_pretrained(cfg: Config, config_path: str | None = None, overrides: Sequ
             f"{path}/{CONFIG_JSON} sets the architecture, and the config contradicts it: {'; '.join(clashes)}; "
             "leave those keys out",
         )
+    model = _built(path, cfg.model, arch)
+    Checkpoint(path, family_of(read_config_json(path)).layout)
     data = cfg.data
     if "data.tokenizer" not in written and (path / TOKENIZER_JSON).is_file():
         data = dataclasses.replace(data, tokenizer=f"pretrained:{path}")
-    model = dataclasses.replace(cfg.model, **arch)
+    _check_tokenizer(path, data.tokenizer, model.vocab_size)
     return dataclasses.replace(cfg, model=model, data=data)
