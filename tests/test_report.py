@@ -428,6 +428,11 @@ def test_stability_statistics_against_the_learning_rate_are_the_runs_own(tmp_pat
         for seed in (0, 1):
             name = f"pre-lr{lr:g}-s{seed}"
             run = fake_run(tmp_path, name, lr=lr, seed=seed, losses=[5.0, 4.0, 3.5, 3.0], stats=True)
+            if lr == 1e-3 and seed == 0:  # a non-finite value, as the trainer writes it, is passed over
+                with open(run / "metrics.jsonl", "a") as f:
+                    f.write(
+                        json.dumps({"step": 3, "attn_entropy": ["nan", 0.45], "attn_logit_max": ["inf", 1.0]}) + "\n"
+                    )
             with open(run / "metrics.jsonl", "a") as f:
                 for step, log_z in ((2, -1.5 * lr * 1e3), (4, 2.0 + seed)):
                     f.write(json.dumps({"step": step, "log_z_mean": log_z}) + "\n")
@@ -438,6 +443,8 @@ def test_stability_statistics_against_the_learning_rate_are_the_runs_own(tmp_pat
     s = report.summaries["pre-lr0.01-s1"]
     assert (s.max_attn_logit, s.min_attn_entropy, s.max_abs_log_z) == (8.0, 0.4, 15.0)  # 2*4, min(0.5, 0.4), |-15|
     assert report.summaries["pre-lr0.001-s1"].max_abs_log_z == 3.0  # max(|-1.5|, 3)
+    flagged = report.summaries["pre-lr0.001-s0"]
+    assert flagged.min_attn_entropy == 0.4 and flagged.max_attn_logit == math.inf  # an infinite logit is the news
     write_report(tmp_path, log=lambda _: None)
     for stem in ("attn_logit_lr", "attn_entropy_lr", "log_z_lr", "log_z"):
         assert (tmp_path / "plots" / f"{stem}.png").read_bytes()[:8] == PNG

@@ -194,6 +194,13 @@ def _max(values: np.ndarray) -> float:
     return float(np.nanmax(values)) if np.isfinite(values).any() else math.nan
 
 
+def _layer_values(run: Run, key: str) -> np.ndarray:
+    """Every per-layer value of `key` the run logged, as floats (a non-finite one, written as a
+    string, is nan)."""
+    lists = [v for v in (run.series.get(key) or {}).values() if isinstance(v, list)]
+    return np.array([_float(x) for v in lists for x in v], dtype=np.float64)
+
+
 def summarize(run: Run, budget: int | None) -> Summary:
     """The run's numbers (see the module's definitions), its loss taken at `budget` tokens."""
     from transformer.model import count_params
@@ -202,8 +209,8 @@ def summarize(run: Run, budget: int | None) -> Summary:
     steps, loss = run.curve("loss")
     _, val = run.curve("val_loss")
     _, tps = run.curve("tokens_per_s")
-    logit_max = [max(v) for v in (run.series.get("attn_logit_max") or {}).values() if isinstance(v, list) and v]
-    entropy = [min(v) for v in (run.series.get("attn_entropy") or {}).values() if isinstance(v, list) and v]
+    logit_max = _layer_values(run, "attn_logit_max")
+    entropy = _layer_values(run, "attn_entropy")
     final = float(loss[-1]) if len(loss) else math.nan
     return Summary(
         params=count_params(run.config.model),
@@ -216,8 +223,8 @@ def summarize(run: Run, budget: int | None) -> Summary:
         spikes=run.count(*SPIKES),
         rollbacks=run.count("rollback"),
         max_grad_norm=_max(run.curve("grad_norm")[1]),
-        max_attn_logit=float(max(logit_max)) if logit_max else math.nan,
-        min_attn_entropy=float(min(entropy)) if entropy else math.nan,
+        max_attn_logit=_max(logit_max),
+        min_attn_entropy=_min(entropy),
         max_abs_log_z=_max(np.abs(run.curve("log_z_mean")[1])),
         diverged=run.count("divergence", "stopped") > 0 or (len(loss) > 0 and not math.isfinite(final)),
         tokens_per_s=float(np.nanmedian(tps)) if np.isfinite(tps).any() else math.nan,
