@@ -306,6 +306,7 @@ def test_a_ladders_report_has_the_fit_the_gains_and_the_paired_differences(tmp_p
     md, html = path.read_text(), (tmp_path / "report.html").read_text()
     for title in ("## Paired differences over seeds", "## Scaling: loss against compute"):
         assert title in md and title[3:] in html
+    assert "only 2 seed(s) per variant: a bootstrap over so few understates the spread" in md
     data = json.loads((tmp_path / "report.json").read_text())
     (entry,) = data["scaling"]
     assert entry["baseline"] == "pre" and entry["rungs"] == ["d32", "d64", "d96", "d128"]

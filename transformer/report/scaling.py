@@ -335,6 +335,7 @@ def scaling(curves: dict[object, Curve], base: object, draws: int = DRAWS, seed:
 
 # --- what the report shows ------------------------------------------------------------------------------
 
+FEW_SEEDS = 5  # below this many seeds a rung's bootstrap interval is said to run narrow
 NEGLIGIBLE = 0.01  # a gain that changes by less than 1% per tenfold compute holds, whatever its interval
 
 
@@ -410,6 +411,13 @@ def _describe(
             f"α {p['alpha'].text('{:.3f}')}, A {p['A'].text()}."
         )
     out.lines += [f"{prefix}{reason}." for reason in found.refused.values()]
+    seeds = min(len(by_seed) for c in by_level.values() for by_seed in c.losses.values())
+    if seeds < FEW_SEEDS:
+        out.lines.append(
+            f"{prefix}Some rung has only {seeds} seed(s) per variant: a bootstrap over so few understates the spread "
+            "(on synthetic ladders nominal 95% intervals of a rung's gain covered the truth 78-93% of the time with three "
+            "seeds); the paired t-intervals rung by rung are the firmer test."
+        )
     if found.failed_draws:
         out.lines.append(
             f"{prefix}{found.failed_draws} bootstrap draws could not fit the baseline; the intervals leave them out."
