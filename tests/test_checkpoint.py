@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, assert_bitwise_equal, final_params, logged, read_events, tiny_run_overrides, write_corpus
 
+from transformer import rundir
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
 from transformer.io.checkpoint import CheckpointError, load
@@ -317,13 +318,37 @@ def test_keep_latest_and_best(corpus, cache, tmp_path):
 
 @pytest.mark.slow
 def test_resuming_a_finished_run_says_so(corpus, cache, straight, tmp_path):
+    """The same command again: nothing to do, exit 0 and nothing written (a scheduler's "rerun until
+    it exits 0" ends); fewer steps than it trained: refused."""
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
+    before = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
     out = cli(*args(corpus, cache, "train.steps=60"), "--workdir", str(workdir))
+    assert out.returncode == 0, out.stderr
+    assert f"{workdir} is already trained to step 60; nothing to do" in out.stdout
+    assert {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file() and p.name in before} == before
+    out = cli(*args(corpus, cache, "train.steps=50"), "--workdir", str(workdir))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"train.py: error: config: train.steps: {workdir} is already trained to step 60; raise train.steps to continue it"
     ]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_copied_in_from_another_run_is_refused(corpus, cache, straight, tmp_path):
+    """Run B's checkpoint (another learning rate, its checksums intact) in run A's directory: A must
+    not continue on B's parameters."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_in_process(corpus, cache, b, "train.steps=30", "optim.lr=1e-3")
+    shutil.copytree(straight, a)
+    events = (a / rundir.EVENTS).read_text().splitlines()
+    (a / rundir.EVENTS).write_text("".join(line + "\n" for line in events if '"end"' not in line))  # interrupted
+    shutil.rmtree(a / "checkpoints")
+    shutil.copytree(b / "checkpoints", a / "checkpoints")
+    out = cli(*args(corpus, cache, "train.steps=60"), "--workdir", str(a))
+    assert out.returncode == 1
+    (line,) = out.stderr.strip().splitlines()
+    assert "was written by a run of another config (optim.lr: 0.001 ->" in line and "not this run's" in line
 
 
 @pytest.mark.slow

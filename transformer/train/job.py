@@ -15,7 +15,7 @@ from transformer import limits, rundir, sharding
 from transformer.accelerator import settle_dtype
 from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data, prepare
-from transformer.io import Checkpointer, check_writable, partial_writes
+from transformer.io import Checkpointer, CheckpointError, check_writable, partial_writes
 from transformer.rundir import RunWriter
 from transformer.train.loop import RunResult, train
 from transformer.train.signals import StopSignal
@@ -58,6 +58,9 @@ def writer_lock(workdir: Path) -> Iterator[None]:
 def _run(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult:
     lead = jax.process_index() == 0
     changes = resume_changes(cfg, workdir)
+    done = finished(cfg, workdir, log)
+    if done is not None:
+        return done
     ckpt_dir = workdir / rundir.CHECKPOINTS
     check_writable(ckpt_dir)
     leftovers = partial_writes(ckpt_dir)
@@ -97,15 +100,37 @@ def conclude(cfg: Config, workdir: Path, start: TrainState, log: Callable[[str],
     up to that checkpoint is on disk (metrics are written before a save starts), so the end event is
     journaled from them, as the run would have, and nothing is trained again."""
     steps = cfg.train.steps
-    last = [r for r in rundir.read_metrics(workdir) if r["step"] == steps]
-    train_loss = next((float(r["loss"]) for r in reversed(last) if "loss" in r), float("nan"))
-    val = next(({k: v for k, v in r.items() if k.startswith("val_")} for r in reversed(last) if "val_loss" in r), {})
+    train_loss, val = _last_numbers(workdir, steps)
     writer = RunWriter(workdir, jax.process_index() == 0, tensorboard=False)
     writer.event("end", steps, train_loss=train_loss, **val)
     writer.close()
     if jax.process_index() == 0:
         log(f"{workdir} was trained to step {steps} (its final checkpoint); journaled its end")
     return RunResult(train_loss, val, 0.0, 0.0, steps, start.params)
+
+
+def finished(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult | None:
+    """The same command run again on a run that ended at its train.steps: nothing to do, and said
+    so (exit 0, so that "rerun until it succeeds" ends); None for any other run. Its numbers are
+    its last logged ones; nothing is written."""
+    steps = cfg.train.steps
+    ends = [e for e in rundir.read_events(workdir) if e["event"] == "end"]
+    if not rundir.has_checkpoints(workdir) or not ends or ends[-1].get("step") != steps:
+        return None
+    if rundir.status(workdir, steps) != "finished":
+        return None
+    train_loss, val = _last_numbers(workdir, steps)
+    if jax.process_index() == 0:
+        log(f"{workdir} is already trained to step {steps}; nothing to do (raise train.steps to continue it)")
+    return RunResult(train_loss, val, 0.0, 0.0, steps)
+
+
+def _last_numbers(workdir: Path, steps: int) -> tuple[float, dict]:
+    """The training loss and the validation numbers the run logged at `steps`."""
+    last = [r for r in rundir.read_metrics(workdir) if r["step"] == steps]
+    train_loss = next((float(r["loss"]) for r in reversed(last) if "loss" in r), float("nan"))
+    val = next(({k: v for k, v in r.items() if k.startswith("val_")} for r in reversed(last) if "val_loss" in r), {})
+    return train_loss, val
 
 
 def resume_changes(cfg: Config, workdir: Path) -> list[str] | None:
@@ -184,6 +209,12 @@ def resume(
     after it are dropped (the resumed run logs them again)."""
     start, meta = restore(Trainer(cfg, mesh), checkpointer, events.event, log)
     step = int(start.step)
+    foreign = _foreign(meta, cfg)
+    if foreign:
+        raise CheckpointError(
+            f"checkpoint {step} in {workdir} was written by a run of another config ({'; '.join(foreign)}): "
+            "not this run's (copied in?); remove it, or resume it in its own run directory"
+        )
     # at train.steps but not ended: killed after its final checkpoint (see `conclude`)
     if step > cfg.train.steps or (step == cfg.train.steps and rundir.status(workdir, step) in rundir.FINAL):
         raise ConfigError(
@@ -197,6 +228,21 @@ def resume(
     if lead:
         log(f"resuming {workdir} from step {step}" + (f" ({'; '.join(changes)})" if changes else ""))
     return start, meta.get("monitor")
+
+
+def _foreign(meta: dict, cfg: Config) -> list[str]:
+    """What the checkpoint's own record says was trained, where it differs from this run's config in
+    a way no resume may change (a checkpoint copied in from another run, its checksums intact)."""
+    from transformer.config_loader import from_dict
+
+    recorded = meta.get("config")
+    if not isinstance(recorded, dict):  # older checkpoints' records: nothing to compare
+        return []
+    try:
+        saved = from_dict(recorded)
+    except ConfigError as e:
+        return [f"its recorded config does not load ({e})"]
+    return _changes(saved, cfg)[0]
 
 
 def restore(
