@@ -1,8 +1,28 @@
 """python train.py [CONFIG.yaml] [key.path=value ...] [--workdir DIR] [--dry-run]"""
 
+import os
+import signal
 import sys
 
-from transformer.cli import train_main
+from transformer.errors import EXIT_PREEMPTED
+
+
+def _preempted_early(signum, frame):
+    """A SIGTERM before training installs its own handler (imports, data, compile): nothing was
+    trained yet, so the run is preempted (75: a scheduler requeues it), not killed (143). It exits at
+    once, as a SIGKILL would (which every write of a run survives): an exception raised here could
+    land in a callback that swallows it, and the run would go on."""
+    print(
+        "train.py: stopped by SIGTERM outside training (nothing unsaved is lost); run the same command",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(EXIT_PREEMPTED)
+
+
+signal.signal(signal.SIGTERM, _preempted_early)
+
+from transformer.cli import train_main  # noqa: E402  (after the handler: its imports take a while)
 
 if __name__ == "__main__":
     sys.exit(train_main())

@@ -167,3 +167,27 @@ def test_runs_started_in_the_same_second_get_their_own_default_directories(tmp_p
     first, second = cli._default_workdir("configs/x.yaml"), cli._default_workdir("configs/x.yaml")
     assert first == Path("runs/x-20261201-000000") and second == Path("runs/x-20261201-000000-2")
     assert first.is_dir() and second.is_dir()
+
+
+def test_a_sigterm_before_training_starts_exits_as_preempted(tmp_path):
+    """A scheduler's SIGTERM in the first seconds (imports, data, compile) exits 75, which SLURM
+    requeues, not 143; nothing was trained, so the same command starts the run again."""
+    import signal
+    import time
+
+    cmd = [
+        sys.executable,
+        "train.py",
+        "model.n_layers=2",
+        "model.d_model=64",
+        "train.steps=3",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(1.0)  # in its imports: before the training loop's own handler
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75
+    assert "run the same command" in proc.stderr.read()
