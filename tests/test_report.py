@@ -448,3 +448,32 @@ def test_stability_statistics_against_the_learning_rate_are_the_runs_own(tmp_pat
     write_report(tmp_path, log=lambda _: None)
     for stem in ("attn_logit_lr", "attn_entropy_lr", "log_z_lr", "log_z"):
         assert (tmp_path / "plots" / f"{stem}.png").read_bytes()[:8] == PNG
+
+
+def test_a_report_by_another_varied_key(tmp_path):
+    """`eval.py --compare DIR --by KEY`: the same runs compared by another key they vary, into
+    report-by-KEY.* beside the sweep's own report; a key they do not vary is one line, exit 2."""
+    runs = {
+        f"{norm},lr-{lr:g}-s{seed}": dict(norm=norm, lr=lr, seed=seed)
+        for norm in ("pre", "post")
+        for lr in (1e-3, 1e-2)
+        for seed in (0, 1)
+    }
+    for name, r in runs.items():
+        final = 2.0 + (0.5 if r["lr"] == 1e-2 else 0.0) + 0.01 * r["seed"]
+        fake_run(tmp_path, name, norm=r["norm"], lr=r["lr"], seed=r["seed"], losses=[5.0, final], val=[(2, final)])
+    sweep_dir(tmp_path, runs)
+    path = write_report(tmp_path, log=lambda _: None, by="optim.lr")
+    assert path.name == "report-by-lr.md" and (tmp_path / "report-by-lr.json").is_file()
+    assert (tmp_path / "plots-by-lr" / "loss.png").is_file() and not (tmp_path / "report.md").exists()
+    (paired,) = json.loads((tmp_path / "report-by-lr.json").read_text())["paired"]
+    assert paired["level"] == "0.01" and paired["final"]["mean"] == pytest.approx(0.5)
+    out = subprocess.run(
+        [sys.executable, "eval.py", "--compare", str(tmp_path), "--by", "model.n_layers"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "eval.py: error: --compare: --by: 'model.n_layers' is not a key these runs vary (model.norm_position, optim.lr)"
+    ]

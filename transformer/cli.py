@@ -428,6 +428,12 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare", default=None, metavar="DIR", help="write DIR/report.md and report.html comparing the runs in DIR"
     )
+    p.add_argument(
+        "--by",
+        default=None,
+        metavar="KEY",
+        help="with --compare: compare this varied key instead of the sweep's own (into DIR/report-by-KEY.*)",
+    )
     p.add_argument("--step", type=int, default=None, help="a kept checkpoint step (default: the latest)")
     p.add_argument("--split", choices=("val", "train"), default="val")
     p.add_argument("--batches", type=int, default=None, help="evaluate at most this many batches")
@@ -451,7 +457,7 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _compare_main(directory: Path) -> int:
+def _compare_main(directory: Path, by: str | None) -> int:
     from transformer import rundir
     from transformer.report import write_report
     from transformer.sweep import MANIFEST
@@ -461,17 +467,19 @@ def _compare_main(directory: Path) -> int:
     if not (directory / MANIFEST).is_file() and not any(directory.glob(f"*/{rundir.CONFIG}")):
         _fail("eval.py", f"--compare: {directory} holds no sweep ({MANIFEST}) and no runs (*/{rundir.CONFIG})")
     try:
-        path = write_report(directory)
+        path = write_report(directory, by=by)
     except ConfigError as e:
-        _fail("eval.py", f"--compare: a run's config: {e}")
+        _fail("eval.py", f"--compare: {e}" if e.key == "--by" else f"--compare: a run's config: {e}")
     print(f"wrote {path} and {path.with_suffix('.html')}")
     return 0
 
 
 def eval_main(argv: list[str] | None = None) -> int:
     args = eval_parser().parse_intermixed_args(argv)
+    if args.by is not None and args.compare is None:
+        _fail("eval.py", "--by goes with --compare DIR (it picks the key the report compares)")
     if args.compare is not None:
-        return _compare_main(Path(args.compare))
+        return _compare_main(Path(args.compare), args.by)
     if (args.workdir is None) == (args.hf is None):
         _fail("eval.py", "give --workdir DIR (a run), --hf PATH (a Hugging Face model) or --compare DIR (runs)")
     if args.export_hf is not None and args.workdir is None:

@@ -226,20 +226,25 @@ def _json(report: Report, page: _Page, ladder: LadderSummary | None) -> dict:
     }
 
 
-def write_report(directory: Path, log: Callable[[str], None] = print) -> Path:
+def write_report(directory: Path, log: Callable[[str], None] = print, by: str | None = None) -> Path:
     """Write report.md, report.html, report.json and plots/*.png under `directory`; log the table,
-    the verdict and the sections' lines. Returns the Markdown report's path."""
+    the verdict and the sections' lines. Returns the Markdown report's path. `by`: compare that
+    varied key instead of the sweep's own, into report-by-<key>.* and plots-by-<key>/ beside them."""
     directory = Path(directory)
-    report = build(directory)
+    report = build(directory, by)
+    suffix = f"-by-{short_key(by)}" if by is not None else ""
     ladder = ladder_summary(report)
-    plots = plot_all(report, directory / PLOTS_DIR, ladder)
+    plots = plot_all(report, directory / f"{PLOTS_DIR}{suffix}", ladder)
     sections = _sections(report, ladder)
     page = _Page(
         directory.name, report.verdict(), report.best_loss_line(), _notes(report), table(report), sections, plots
     )
-    (directory / REPORT_MD).write_text(_markdown(page))
-    (directory / REPORT_HTML).write_text(_html(page))
-    (directory / REPORT_JSON).write_text(json.dumps(_json(report, page, ladder), indent=1) + "\n")
+    md, html_path, json_path = (
+        directory / name.replace("report", f"report{suffix}") for name in (REPORT_MD, REPORT_HTML, REPORT_JSON)
+    )
+    md.write_text(_markdown(page))
+    html_path.write_text(_html(page))
+    json_path.write_text(json.dumps(_json(report, page, ladder), indent=1) + "\n")
     log(markdown_table(*page.main))
     log(f"verdict: {page.verdict}")
     for section in sections:
@@ -247,4 +252,4 @@ def write_report(directory: Path, log: Callable[[str], None] = print) -> Path:
             log(f"{TUNED_TITLE}:\n{markdown_table(*section.table)}")
         for line in section.lines:
             log(f"{section.title}: {line}")
-    return directory / REPORT_MD
+    return md

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from transformer import rundir
-from transformer.config import RUN_BOOKKEEPING, Config, flatten
+from transformer.config import RUN_BOOKKEEPING, Config, ConfigError, flatten
 from transformer.config_loader import load_config
 from transformer.sweep import LR_KEY, MANIFEST, default_compare, member_config_path
 
@@ -388,9 +388,14 @@ class Report:
         return f"Lowest best validation loss: {best} ({losses[best]:.4f} nats, mean over its seeds)."
 
 
-def build(directory: Path) -> Report:
-    """Read the runs under `directory` and summarize each at their common token budget."""
+def build(directory: Path, by: str | None = None) -> Report:
+    """Read the runs under `directory` and summarize each at their common token budget; `by`: the
+    varied key to compare instead of the sweep's own (a study of two interventions asks of each)."""
     runs, keys, compare = load_runs(directory)
+    if by is not None:
+        if by not in keys:
+            raise ConfigError("--by", f"{by!r} is not a key these runs vary ({', '.join(keys) or 'none'})")
+        compare = by
     budget = common_budget(runs)
     return Report(runs, {r.name: summarize(r, budget) for r in runs}, keys, compare, budget)
 
