@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -89,9 +90,13 @@ def _take(member, start, results, done):
 
 def test_a_stale_claim_is_taken_over_by_exactly_one_of_many(tmp_path):
     write_claim(tmp_path / "m", age=100.0)
+    assert_taken_over_by_exactly_one(tmp_path / "m")
+
+
+def assert_taken_over_by_exactly_one(member):
     ctx = multiprocessing.get_context("fork")
     start, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_take, args=(tmp_path / "m", start, results, done)) for _ in range(6)]
+    procs = [ctx.Process(target=_take, args=(member, start, results, done)) for _ in range(6)]
     for p in procs:
         p.start()
     start.set()
@@ -101,7 +106,7 @@ def test_a_stale_claim_is_taken_over_by_exactly_one_of_many(tmp_path):
         p.join()
     winners = [o for o in outcomes if o[1]]
     assert len(winners) == 1, outcomes
-    assert read_claim(claim_path(tmp_path / "m"))[0]["token"] == winners[0][2]
+    assert read_claim(claim_path(member))[0]["token"] == winners[0][2]
 
 
 def test_a_holder_whose_claim_was_taken_over_is_told(tmp_path):
@@ -192,3 +197,105 @@ def wait_for_a_member_training(members, runners, timeout=300):
                 return pids.index(seen[0]["pid"]), member
         time.sleep(0.05)
     raise AssertionError("no member started: " + " | ".join(r.stdout.read() for r in runners if r.poll() is not None))
+
+
+# --- damaged claims and abandoned takeovers ------------------------------------------------------
+
+
+def write_marker(member, token="old", level=1, age=0.0):
+    marker = claim_path(member).with_name(f".claim.{token}.takeover" + (f".{level}" if level > 1 else ""))
+    marker.write_text("")
+    os.utime(marker, (time.time() - age, time.time() - age))
+    return marker
+
+
+def test_an_abandoned_takeover_marker_is_passed_over_a_fresh_one_respected(tmp_path):
+    """A taker killed between creating its marker and replacing the claim left the member unclaimable."""
+    write_claim(tmp_path / "m", age=100.0)
+    marker = write_marker(tmp_path / "m", age=5.0)
+    assert "taking over" in Claim(tmp_path / "m", stale_after=30).try_acquire()  # its taker is at work
+    os.utime(marker, (time.time() - 100, time.time() - 100))
+    second = write_marker(tmp_path / "m", level=2, age=100.0)  # and its successor died too
+    claim = Claim(tmp_path / "m", stale_after=30)
+    assert claim.try_acquire() is None
+    assert read_claim(claim_path(tmp_path / "m"))[0]["token"] == claim.token
+    assert not marker.exists() and not second.exists()
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [".claim"]
+    claim.release()
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_past_abandoned_markers_a_stale_claim_is_still_taken_over_by_exactly_one(tmp_path, levels):
+    write_claim(tmp_path / "m", age=100.0)
+    for level in range(1, levels + 1):
+        write_marker(tmp_path / "m", level=level, age=100.0)
+    assert_taken_over_by_exactly_one(tmp_path / "m")
+
+
+def test_a_taker_whose_marker_was_judged_abandoned_backs_off(tmp_path, monkeypatch):
+    """A taker frozen past the timeout between its marker and its replace: another took over meanwhile."""
+    write_claim(tmp_path / "m", age=100.0)
+    slow, quick = Claim(tmp_path / "m", stale_after=30), Claim(tmp_path / "m", stale_after=30)
+    real = read_claim
+    calls = []
+
+    def frozen_between(path):  # the slow taker's second read: the quick one acts while it is frozen
+        calls.append(path)
+        if len(calls) == 2:
+            for marker in tmp_path.glob("m/.claim.old.takeover*"):
+                os.utime(marker, (time.time() - 100, time.time() - 100))
+            monkeypatch.setattr("transformer.sweep.claims.read_claim", real)
+            assert quick.try_acquire() is None
+            write_claim(tmp_path / "m", token="old", age=100.0)  # as if the slow one read before the replace
+        return real(path)
+
+    monkeypatch.setattr("transformer.sweep.claims.read_claim", frozen_between)
+    assert slow.try_acquire() is not None and not slow.held
+    quick.release()
+
+
+def test_a_claim_that_is_not_utf8_is_judged_by_its_age(tmp_path):
+    claim_path(tmp_path / "m").parent.mkdir(parents=True)
+    claim_path(tmp_path / "m").write_bytes(b"\xff\xfe\x80 not a record")
+    assert read_claim(claim_path(tmp_path / "m"))[0] == {}
+    assert "being written" in Claim(tmp_path / "m", stale_after=60).try_acquire()
+    os.utime(claim_path(tmp_path / "m"), (time.time() - 120, time.time() - 120))
+    assert Claim(tmp_path / "m", stale_after=60).try_acquire() is None
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink"])
+def test_a_claim_that_is_not_a_file_is_refused_not_waited_on(tmp_path, kind):
+    path = claim_path(tmp_path / "m")
+    path.parent.mkdir(parents=True)
+    {"directory": path.mkdir, "fifo": lambda: os.mkfifo(path), "symlink": lambda: path.symlink_to(tmp_path / "x")}[
+        kind
+    ]()
+    error = within(10, lambda: run_claimed(tmp_path / "m", lambda: False, lambda: 0, poll=0.01))
+    assert isinstance(error, rundir.Busy) and "damaged" in str(error), error
+    assert str(path) in str(error) and "\n" not in str(error)
+
+
+def within(seconds, call):
+    """What `call` raised, failing the test when it runs longer than `seconds` (waits for good)."""
+    outcome = []
+
+    def target():
+        try:
+            outcome.append(call())
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    return outcome[0]
+
+
+def test_train_claim_on_a_claim_directory_is_one_line_and_exit_2(tmp_path):
+    claim_path(tmp_path / "w").mkdir(parents=True)
+    argv = [sys.executable, str(ROOT / "train.py"), "train.steps=1", "--workdir", str(tmp_path / "w"), "--claim"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error:") and ".claim" in lines[0], out.stderr

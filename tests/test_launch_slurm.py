@@ -57,6 +57,35 @@ def test_a_bad_slurm_option_names_its_key(block, key):
     assert e.value.key == key
 
 
+@pytest.mark.parametrize(
+    "block, given, key",
+    [
+        ({"extra": ["--exclusive", "--constraint=a100\ntouch /tmp/x\n#"]}, {}, "sweep.slurm.extra"),
+        ({"partition": "gpu\rx"}, {}, "sweep.slurm.partition"),
+        ({"account": "lab\x1b[2J"}, {}, "sweep.slurm.account"),
+        ({"qos": "high\u2028x"}, {}, "sweep.slurm.qos"),
+        ({"mem": "16G\tx"}, {}, "sweep.slurm.mem"),
+        ({"time": ["1:00:00"]}, {}, "sweep.slurm.time"),
+        ({}, {"time": "1:00:00\nrm -rf ~"}, "--slurm-time"),
+    ],
+)
+def test_a_slurm_option_with_a_newline_or_control_character_is_refused(block, given, key):
+    """Each option becomes a line of the batch script: a newline in one would be a shell command."""
+    with pytest.raises(SweepError) as e:
+        slurm_options(block, flags(**given))
+    assert e.value.key == key and "\n" not in str(e.value)
+
+
+def test_a_workdir_or_sweep_file_with_a_newline_is_not_written_into_the_script(tmp_path):
+    sweep = expand({"train": {"steps": 10}, "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}}}, source="s\nt.yaml")
+    with pytest.raises(SweepError, match="control character"):
+        slurm_script(sweep, tmp_path, {})
+    sweep = expand({"train": {"steps": 10}, "sweep": {"grid": {"optim.lr": [1e-3, 1e-2]}}}, source="s.yaml")
+    with pytest.raises(SweepError, match="control character"):
+        slurm_script(sweep, tmp_path / "a\ntouch x", {})
+    assert subprocess.run(["bash", "-n"], input=slurm_script(sweep, tmp_path, {}), text=True).returncode == 0
+
+
 # --- a real single-node SLURM --------------------------------------------------------------------
 
 
@@ -172,7 +201,7 @@ def test_a_slurm_array_runs_the_sweep_and_a_resubmitted_script_runs_nothing_agai
         (["--slurm-partition", "gpu"], "--slurm-partition: not an option of --launcher local"),
         (["--claim"], "--claim is for one member's run"),
         (["--stale-after", "0"], "--stale-after must be > 0"),
-        (["--launcher", "slurm", "--slurm-max-parallel", "0"], "sweep.slurm.max_parallel"),
+        (["--launcher", "slurm", "--slurm-max-parallel", "0"], "--slurm-max-parallel: expected an integer"),
     ],
 )
 def test_launcher_options_that_do_not_fit_are_refused_in_one_line(argv, words):

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +63,65 @@ def test_a_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path):
 def test_probing_an_unlocked_directory_creates_nothing(tmp_path):
     assert rundir.lock_holder(tmp_path / "nothing") is None
     assert not (tmp_path / "nothing").exists()
+
+
+@pytest.mark.parametrize("name", [rundir.LOCK, rundir.METRICS, rundir.EVENTS])
+def test_a_symlink_in_the_run_directory_is_refused_not_written_through(tmp_path, name):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("DATA\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).symlink_to(victim)
+    with pytest.raises(rundir.Busy, match="symbolic link") as e:
+        with rundir.RunLock(tmp_path / "run"):
+            rundir.RunWriter(tmp_path / "run", True, tensorboard=False).event("start", 0)
+    assert str(tmp_path / "run" / name) in str(e.value) and "\n" not in str(e.value)
+    assert victim.read_text() == "DATA\n"
+    assert rundir.lock_holder(tmp_path / "run") is None  # nor is it probed through
+
+
+@pytest.mark.parametrize("name", [rundir.LOCK, rundir.METRICS])
+def test_a_fifo_or_directory_in_the_run_directory_is_refused_in_one_line(tmp_path, name):
+    for kind, make in (("fifo", os.mkfifo), ("dir", os.mkdir)):
+        run = tmp_path / kind
+        run.mkdir()
+        make(run / name)
+        error = within(10, lambda run=run: write_through(run))  # a FIFO with no reader would block for good
+        assert isinstance(error, rundir.Busy) and "not a regular file" in str(error), error
+        assert str(run / name) in str(error) and "\n" not in str(error)
+
+
+def write_through(run: Path) -> None:
+    with rundir.RunLock(run):
+        rundir.RunWriter(run, True, tensorboard=False).close()
+
+
+def within(seconds, call):
+    """What `call` raised (or returned), failing the test when it runs longer than `seconds`."""
+    outcome = []
+
+    def target():
+        try:
+            outcome.append(call())
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still blocked after {seconds} s"
+    return outcome[0]
+
+
+def test_config_and_truncated_metrics_replace_a_symlink_never_write_through_it(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text('{"step": 5}\n')
+    (tmp_path / "run").mkdir()
+    for name in (rundir.CONFIG, rundir.METRICS):
+        (tmp_path / "run" / name).symlink_to(victim)
+    rundir.write_config(tmp_path / "run", load_config(None, ["train.steps=3"]))
+    rundir.truncate_metrics(tmp_path / "run", 0)
+    assert victim.read_text() == '{"step": 5}\n'
+    assert not any((tmp_path / "run" / n).is_symlink() for n in (rundir.CONFIG, rundir.METRICS))
 
 
 HOLD = "import sys, time; from pathlib import Path; from transformer import rundir; " + (
@@ -278,6 +338,18 @@ def test_a_second_trainer_on_one_workdir_is_refused_in_one_line_naming_the_first
     assert first.returncode == 0, err[-3000:]
     assert kinds(workdir) == ["start", "end"]
     assert_same_run(workdir, straight)  # the first run lost nothing to the second
+
+
+def test_train_refuses_a_symlinked_lock_in_one_line_and_leaves_its_target(corpus, cache, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("DATA\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / rundir.LOCK).symlink_to(victim)
+    out = cli(*args(corpus, cache, "train.steps=2"), "--workdir", str(tmp_path / "run"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "symbolic link" in lines[0] and rundir.LOCK in lines[0], out.stderr
+    assert victim.read_text() == "DATA\n"
 
 
 def member_dir(workdir: Path) -> Path:

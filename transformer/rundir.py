@@ -11,6 +11,9 @@ DIR/
 ```
 
 Only `RunWriter` appends to the two journals (process 0 of a run); everything else reads them here.
+No file here is written through a symbolic link or into a FIFO, device or directory standing in its
+place (a damaged or hostile directory): `open_in_run` refuses them, naming the path (Busy), and
+`atomic_write` replaces the name, never what it points to.
 A line torn by a crash mid-write is skipped by every reader, and dropped by `truncate_metrics`.
 One process writes a run directory at a time: `RunLock` (taken by train.py's process 0 and by a
 sweep on its own directory) refuses a second writer, naming the first.
@@ -23,6 +26,7 @@ import json
 import math
 import os
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Sequence
@@ -47,11 +51,43 @@ FINAL = ("finished", "stopped")  # statuses whose numbers are final (see run_sta
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader (or a crash) sees the old file or the new, never half."""
+    """Write `text` to `path` so that a reader (or a crash) sees the old file or the new, never half.
+    A symbolic link at `path` is replaced, not written through; the temporary file is a new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    tmp.write_text(text)
+    with os.fdopen(open_in_run(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
+        f.write(text)
     os.replace(tmp, path)
+
+
+def open_in_run(path: Path, flags: int, mode: int = 0o666) -> int:
+    """os.open(path, flags, mode) for writing a file of ours, never through a symbolic link (O_NOFOLLOW)
+    nor into anything but a regular file (a FIFO would block, a device be written): Busy in one line
+    naming `path` otherwise, as for a file that cannot be opened at all."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)  # O_NONBLOCK: a FIFO must not block
+    except OSError as e:
+        raise _refusal(Path(path), e) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refusal(Path(path), None)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _refusal(path: Path, error: OSError | None) -> Busy:
+    """Why `path` cannot be opened as a run's file: what stands in its place, or the OS's reason."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and stat.S_ISLNK(mode):
+        return Busy(
+            f"{path} is a symbolic link: refusing to write through it (remove it if this run directory is yours)"
+        )
+    if mode is not None and not stat.S_ISREG(mode):
+        return Busy(f"{path} is not a regular file: the run directory is damaged (remove it if the directory is yours)")
+    return Busy(f"cannot write to {path}: {error.strerror if error is not None and error.strerror else error}")
 
 
 def has_config(workdir: Path) -> bool:
@@ -187,6 +223,11 @@ def _jsonable(value):
     return value
 
 
+def _append(path: Path):
+    """A journal opened for appending (text), refused (Busy) when a link or not a file (see open_in_run)."""
+    return os.fdopen(open_in_run(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
+
+
 class ScalarSink(Protocol):
     """Somewhere else the scalars go, as TensorBoard's tags (transformer/train/wandb_sink.py)."""
 
@@ -217,8 +258,12 @@ class RunWriter:
         if workdir is None or not self.enabled:
             return
         workdir.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(workdir / METRICS, "a")
-        self.events = open(workdir / EVENTS, "a")
+        self.metrics = _append(workdir / METRICS)
+        try:
+            self.events = _append(workdir / EVENTS)
+        except Busy:
+            self.metrics.close()
+            raise
         if tensorboard:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
@@ -287,9 +332,9 @@ class RunLock:
         """Take the lock, or raise Busy naming its holder."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
         except OSError as e:
             raise Busy(f"cannot write to {self.directory}: {e.strerror or e}") from None
+        fd = open_in_run(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -324,9 +369,9 @@ def lock_holder(directory: Path) -> str | None:
     """'pid 123 on host h (since ...)' when a live process holds `directory`'s lock, else None.
     (It probes by taking the lock for an instant: call it only where no writer may be starting.)"""
     try:
-        fd = os.open(Path(directory) / LOCK, os.O_RDWR)
-    except OSError:
-        return None  # no lock file: never locked
+        fd = open_in_run(Path(directory) / LOCK, os.O_RDWR)
+    except Busy:
+        return None  # no lock file (never locked), or none that a writer could hold
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

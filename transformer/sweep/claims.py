@@ -7,9 +7,26 @@ and NFSv3+). It holds who claimed it: {"host", "pid", "token", "since", and the 
 any}; its modification time is the heartbeat, touched by the holder every `HEARTBEAT_SECONDS` (a
 touch is atomic, rewriting the file would not be). A claim is stale when its heartbeat is older than
 `stale_after` seconds (clocks must agree to well within that), or at once when its holder is a dead
-process on this host or an earlier attempt of this very SLURM array task (a requeue). A stale claim
-is taken over by one runner only: the taker first creates `.claim.<token>.takeover` exclusively
-(for the stale token it saw), then checks that the claim still is that stale one, and replaces it.
+process on this host or an earlier attempt of this very SLURM array task (a requeue). A `.claim` that
+is not a regular file (a directory, a link, a FIFO) is damage, refused (rundir.Busy), not waited on.
+
+A stale claim is taken over by one runner only: the taker creates a marker `.claim.<token>.takeover`
+exclusively (for the stale token it saw, holding the taker's own), then checks that the claim still
+is that stale one and the marker still its own, replaces the claim (os.replace) and removes the marker.
+A taker killed between creating its marker and removing it leaves the marker behind, which would
+keep every later taker out for good; so a marker older than `stale_after` (a taker needs
+milliseconds) is abandoned. It is passed over, never removed and made again under the same name: two
+takers that both judged it abandoned would each remove the other's new one. Past an abandoned marker
+the taker tries the next level, `.claim.<token>.takeover.2` (then .3, ...), created exclusively too,
+so of the takers that judged level n abandoned exactly one creates level n+1 and the others, finding
+it fresh, back off. Only the winner (or a taker undoing its own marker) removes markers: after its
+replace, all levels up to its own. A taker that creates a level after that re-reads the claim, finds
+another token and backs off, so no stale token is taken over twice. The one assumption is that of the
+heartbeat: no taker is frozen for longer than `stale_after` between its marker and its replace. One that
+is finds its marker gone (removed by the winner that passed it over) and backs off; frozen in the
+instant between that check and its replace, it displaces the winner, which is told at its next
+heartbeat, as below (and the run directory's lock keeps a second trainer out meanwhile).
+
 A holder whose claim was taken over (it was frozen for longer than `stale_after`) finds another
 token in the file at its next heartbeat and is told by `lost`.
 
@@ -19,15 +36,21 @@ again once the claim is theirs.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
+import re
 import signal
 import socket
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+from transformer.rundir import Busy, open_in_run
 
 CLAIM = ".claim"  # beside rundir's .lock, in the member's run directory; member names never start with "."
 HEARTBEAT_SECONDS = 5.0
@@ -48,18 +71,53 @@ def _identity() -> dict:
 
 
 def read_claim(path: Path) -> tuple[dict, float] | None:
-    """(record, heartbeat age in seconds), or None when unclaimed (or the file is being replaced).
-    A file without a record ({}) is stale once its age passes the timeout, like any other."""
+    """(record, heartbeat age in seconds), or None when unclaimed. A file without a readable record
+    ({}: being written, emptied by a crash, not UTF-8 JSON, unreadable) is stale once its age passes
+    the timeout, like any other. A `.claim` that is not a regular file is rundir.Busy (damage)."""
     try:
-        age = time.time() - path.stat().st_mtime
-        text = path.read_text()
-    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO must not block
+    except FileNotFoundError:
         return None
+    except OSError:
+        return _unreadable(path)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _damaged(path)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            record = json.loads(f.read().decode())
+        except (OSError, ValueError):  # being written, left empty by a crash, not UTF-8: judged by its age
+            record = {}
+    return (record if isinstance(record, dict) else {}), time.time() - info.st_mtime
+
+
+def _unreadable(path: Path) -> tuple[dict, float] | None:
+    """A claim that cannot be opened: damage unless a regular file (then judged by its age)."""
     try:
-        record = json.loads(text)
-    except ValueError:  # being written, or left empty by a crash just after its creation: judged by its age
-        record = {}
-    return (record if isinstance(record, dict) else {}), age
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {}, 0.0  # nothing to judge by: a holder, as far as we know
+    if not stat.S_ISREG(info.st_mode):
+        raise _damaged(path)
+    return {}, time.time() - info.st_mtime
+
+
+def _damaged(path: Path) -> Busy:
+    return Busy(
+        f"{path} is not a claim file (a directory, a link or a FIFO): the run directory is damaged; "
+        "remove it once no runner works on this member"
+    )
+
+
+def _marker(path: Path, token: object, level: int) -> Path:
+    """The takeover marker of level `level` for the stale claim `token` (see the module's docstring);
+    a token that is not a plain name (a damaged record) by its hash, to stay a file beside the claim."""
+    name = token if isinstance(token, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", token) else None
+    name = name or hashlib.sha256(repr(token).encode()).hexdigest()[:32]
+    return path.with_name(f"{CLAIM}.{name}.takeover" + (f".{level}" if level > 1 else ""))
 
 
 def describe(record: dict, age: float) -> str:
@@ -110,14 +168,17 @@ class Claim:
         self._thread: threading.Thread | None = None
 
     def try_acquire(self) -> str | None:
-        """Take the claim: None when it is ours now, else who holds it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Take the claim: None when it is ours now, else who holds it. A member directory where
+        no claim can be written is rundir.Busy."""
         record = {**_identity(), "token": self.token, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         text = json.dumps(record) + "\n"
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return self._take_over(text)
+        except OSError as e:
+            raise Busy(f"cannot claim {self.path.parent}: {e.strerror or e}") from None
         with os.fdopen(fd, "w") as f:
             f.write(text)
         self._hold()
@@ -130,21 +191,51 @@ class Claim:
         record, age = seen
         if not is_stale(record, age, self.stale_after):
             return describe(record, age)
-        marker = self.path.with_name(f"{CLAIM}.{record.get('token')}.takeover")
-        try:
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        except FileExistsError:
+        markers = self._mark(record.get("token"))
+        if markers is None:
             return "another runner, taking over a stale claim"
         again = read_claim(self.path)  # still the stale claim we saw? (another taker may have been quicker)
-        if again is None or again[0].get("token") != record.get("token"):
-            marker.unlink(missing_ok=True)
+        if again is None or again[0].get("token") != record.get("token") or not self._mine(markers[-1]):
+            if self._mine(markers[-1]):
+                markers[-1].unlink(missing_ok=True)
             return "another runner, which took over a stale claim"
         tmp = self.path.with_name(f"{CLAIM}.{self.token}.tmp")
-        tmp.write_text(text)
+        with os.fdopen(open_in_run(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:
+            f.write(text)
         os.replace(tmp, self.path)
-        marker.unlink(missing_ok=True)  # safe: a later taker re-reads the claim and finds our token
+        for marker in reversed(markers):  # safe: a later taker re-reads the claim and finds our token
+            marker.unlink(missing_ok=True)
         self._hold()
         return None
+
+    def _mark(self, token: object) -> list[Path] | None:
+        """Create the first takeover marker for `token` past the abandoned ones: the markers from
+        level 1 to ours, or None when another taker is at work (a fresh marker)."""
+        markers = []
+        for level in itertools.count(1):
+            markers.append(_marker(self.path, token, level))
+            try:
+                fd = os.open(markers[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                try:
+                    age = time.time() - os.lstat(markers[-1]).st_mtime
+                except FileNotFoundError:
+                    return None  # its taker just finished or backed off: try again later
+                if age <= self.stale_after:
+                    return None
+                continue  # abandoned: its taker died (or froze) between creating it and removing it
+            except OSError as e:
+                raise Busy(f"cannot claim {self.path.parent}: {e.strerror or e}") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(self.token)
+            return markers
+        raise AssertionError("unreachable")
+
+    def _mine(self, marker: Path) -> bool:
+        try:
+            return marker.read_text() == self.token
+        except (OSError, ValueError):
+            return False
 
     def _hold(self) -> None:
         self.held = True
@@ -152,7 +243,10 @@ class Claim:
         self._thread.start()
 
     def owned(self) -> bool:
-        seen = read_claim(self.path)
+        try:
+            seen = read_claim(self.path)
+        except Busy:  # no longer a claim file at all: not ours
+            return False
         return seen is not None and seen[0].get("token") == self.token
 
     def _beat(self) -> None:
@@ -163,7 +257,7 @@ class Claim:
                     self.on_lost()
                 return
             try:
-                os.utime(self.path)
+                os.utime(self.path, follow_symlinks=False)
             except OSError:
                 pass  # a file system hiccup: the next beat tries again; a long one lets the claim go stale
 

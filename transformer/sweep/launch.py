@@ -21,13 +21,14 @@ import shlex
 import subprocess
 import sys
 import time
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from transformer import rundir
 from transformer.config import ROOT, Config
-from transformer.errors import EXIT_PREEMPTED
+from transformer.errors import EXIT_PREEMPTED, EXIT_USAGE
 from transformer.rundir import FINAL
 from transformer.sweep.claims import STALE_AFTER, claim_path, run_claimed
 from transformer.sweep.expansion import LOGS_DIR, Member, Sweep, SweepError
@@ -62,6 +63,7 @@ SLURM_KEYS = (
     "extra",
 )
 SLURM_FLAGS = ("partition", "time", "account", "max_parallel")  # also on the command line: --slurm-<key>
+SLURM_TEXT = ("partition", "time", "account", "qos", "mem")  # written as they are: one-line scalars
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,8 +111,13 @@ def check_arguments(args: argparse.Namespace, sweep: Sweep | None) -> str | None
 
 
 def claimed(cfg: Config, workdir: Path, stale_after: float, job: Callable[[], int]) -> int:
-    """train.py --claim: run `job` under the run directory's claim; a finished run is left as it is."""
-    return run_claimed(workdir, lambda: rundir.status(workdir, cfg.train.steps) in FINAL, job, stale_after)
+    """train.py --claim: run `job` under the run directory's claim; a finished run is left as it is.
+    A claim that cannot be taken (a damaged run directory: rundir.Busy) is one line and exit 2."""
+    try:
+        return run_claimed(workdir, lambda: rundir.status(workdir, cfg.train.steps) in FINAL, job, stale_after)
+    except rundir.Busy as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def launch(args: argparse.Namespace, sweep: Sweep, workdir: Path) -> SweepOutcome | None:
@@ -298,23 +305,39 @@ def _exit_code(ray: Any, ref: Any) -> int:
 
 
 def slurm_options(block: dict, args: argparse.Namespace) -> dict:
-    """sweep.slurm with the --slurm-* flags over it, checked."""
+    """sweep.slurm with the --slurm-* flags over it, checked. Every value becomes a line of the batch
+    script, so none may hold a newline or another control character (it would be a shell command)."""
     options = dict(_check_keys("sweep.slurm", block, SLURM_KEYS))
+    where = {key: f"sweep.slurm.{key}" for key in options}
     for key in SLURM_FLAGS:
         value = getattr(args, f"slurm_{key}")
         if value is not None:
-            options[key] = value
+            options[key], where[key] = value, f"--slurm-{key.replace('_', '-')}"
     for key in ("nodes", "gpus_per_node", "cpus_per_task", "max_parallel"):
         value = options.get(key)
         if value is not None and not (str(value).isdigit() and int(value) >= 1):
-            raise SweepError(f"sweep.slurm.{key}", f"expected an integer >= 1, got {value!r}")
+            raise SweepError(where[key], f"expected an integer >= 1, got {value!r}")
+    for key in SLURM_TEXT:
+        value = options.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
+            raise SweepError(where[key], f"expected a string, got {value!r}")
     extra = options.get("extra", [])
     if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
         raise SweepError("sweep.slurm.extra", "expected a list of sbatch options, e.g. ['--constraint=a100']")
     for key, value in options.items():
-        if key != "extra" and any(c in str(value) for c in "\n\r"):
-            raise SweepError(f"sweep.slurm.{key}", "must be one line")
+        for item in value if key == "extra" else [value]:
+            _one_line(where[key], item)
     return options
+
+
+def _one_line(where: str, value: object) -> None:
+    """Refuse (SweepError naming `where`) a value for the batch script holding a newline or another
+    control character: written into the script, it could end its line and start a command."""
+    text = str(value)
+    if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text):
+        raise SweepError(
+            where, f"{text!r} holds a newline or another control character; it would be written into the batch script"
+        )
 
 
 def sbatch_lines(options: dict, n_members: int, workdir: Path) -> list[str]:
@@ -342,6 +365,8 @@ def slurm_script(sweep: Sweep, workdir: Path, options: dict) -> str:
     under srun, joined by jax.distributed.initialize() from SLURM's environment, unclaimed: their
     processes cannot share one claim, and process 0's run-directory lock keeps a second copy out."""
     workdir = workdir.resolve()
+    _one_line("--workdir", workdir)  # in #SBATCH lines and comments, where quoting does not help
+    _one_line("sweep file", sweep.source)
     names = " ".join(shlex.quote(m.name) for m in sweep.members)
     multi = int(options.get("nodes") or 1) > 1
     train = f"{shlex.quote(sys.executable)} {shlex.quote(str(ROOT / 'train.py'))}"
