@@ -3,6 +3,7 @@ their definitions, the plots are real PNGs, and `eval.py --compare` writes it al
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -477,3 +478,26 @@ def test_a_report_by_another_varied_key(tmp_path):
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "eval.py: error: --compare: --by: 'model.n_layers' is not a key these runs vary (model.norm_position, optim.lr)"
     ]
+
+
+def test_the_report_never_writes_through_a_planted_link(tmp_path):
+    """A run directory received from others may hold links where the report goes: report.md linked to
+    a file elsewhere is replaced, not written through; plots/ linked to a directory elsewhere is
+    refused in one line (exit 2), with nothing written there."""
+    victim, elsewhere = tmp_path / "victim.txt", tmp_path / "elsewhere"
+    victim.write_text("DATA")
+    elsewhere.mkdir()
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        fake_run(runs, f"pre-s{seed}", seed=seed, losses=[5.0, 3.0], val=[(2, 3.0)])
+        fake_run(runs, f"post-s{seed}", norm="post", seed=seed, losses=[5.0, 3.1], val=[(2, 3.1)])
+    (runs / "report.md").symlink_to(victim)
+    write_report(runs, log=lambda _: None)
+    assert victim.read_text() == "DATA" and not (runs / "report.md").is_symlink()
+    (runs / "report.md").unlink()
+    shutil.rmtree(runs / "plots")
+    (runs / "plots").symlink_to(elsewhere)
+    out = subprocess.run([sys.executable, "eval.py", "--compare", str(runs)], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "plots is a symbolic link: refusing to write" in line and not any(elsewhere.iterdir())

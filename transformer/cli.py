@@ -350,10 +350,13 @@ def _sweep_main(args: argparse.Namespace, sweep: Sweep) -> int:
 
 def _write_sweep_report(workdir: Path) -> None:
     from transformer.report import write_report
+    from transformer.rundir import Busy
     from transformer.sweep import relative
 
     try:
         report = write_report(workdir)
+    except Busy as e:  # a link planted where the report goes: the members' runs are safe
+        _fail("train.py", f"report: {e}")
     except ConfigError as e:  # the members' runs are safe; only the comparison cannot be read
         _fail("train.py", f"report: a run's config: {e}")
     print(f"report: {relative(report)}")
@@ -468,6 +471,8 @@ def _compare_main(directory: Path, by: str | None) -> int:
         _fail("eval.py", f"--compare: {directory} holds no sweep ({MANIFEST}) and no runs (*/{rundir.CONFIG})")
     try:
         path = write_report(directory, by=by)
+    except rundir.Busy as e:  # a link planted where the report goes
+        _fail("eval.py", f"--compare: {e}")
     except ConfigError as e:
         _fail("eval.py", f"--compare: {e}" if e.key == "--by" else f"--compare: a run's config: {e}")
     print(f"wrote {path} and {path.with_suffix('.html')}")

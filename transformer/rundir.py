@@ -50,12 +50,17 @@ FINAL = ("finished", "stopped")  # statuses whose numbers are final (see run_sta
 # --- files ---------------------------------------------------------------------------------------
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader (or a crash) sees the old file or the new, never half.
-    A symbolic link at `path` is replaced, not written through; the temporary file is a new one."""
+def atomic_write(path: Path, text: str | bytes) -> None:
+    """Write `text` (or bytes) to `path` so that a reader (or a crash) sees the old file or the new,
+    never half. A symbolic link at `path` is replaced, not written through; the temporary file is a
+    new one; a directory of it that is a link (planted to send the write elsewhere) is refused."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent.is_symlink():
+        raise Busy(f"{path.parent} is a symbolic link: refusing to write {path.name} through it")
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with os.fdopen(open_in_run(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
+    with os.fdopen(
+        open_in_run(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb" if isinstance(text, bytes) else "w"
+    ) as f:
         f.write(text)
     os.replace(tmp, path)
 

@@ -4,12 +4,14 @@ a notebook displays them. This module reads the statistics only; it never import
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
 
+from transformer import rundir
 from transformer.report.scaling import LadderSummary
 from transformer.report.stats import LR_KEY, SIZE_KEYS, Report, format_value, short_key, transfer, transfer_points
 
@@ -306,6 +308,8 @@ def plot_all(report: Report, directory: Path, ladder: LadderSummary | None = Non
     saved = []
     for title, stem, fig in figures(report, ladder):
         path = directory / f"{stem}.png"
-        fig.savefig(path, dpi=110)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
+        rundir.atomic_write(path, png.getvalue())  # a planted link is replaced, not written through
         saved.append((title, path))
     return saved

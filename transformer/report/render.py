@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from transformer import rundir
 from transformer.report.paired import PAIRED_NOTE, paired_json, paired_lines, paired_rows
 from transformer.report.plots import plot_all
 from transformer.report.scaling import SCALING_NOTE, LadderSummary, ladder_summary
@@ -242,9 +243,9 @@ def write_report(directory: Path, log: Callable[[str], None] = print, by: str | 
     md, html_path, json_path = (
         directory / name.replace("report", f"report{suffix}") for name in (REPORT_MD, REPORT_HTML, REPORT_JSON)
     )
-    md.write_text(_markdown(page))
-    html_path.write_text(_html(page))
-    json_path.write_text(json.dumps(_json(report, page, ladder), indent=1) + "\n")
+    rundir.atomic_write(md, _markdown(page))  # never through a link planted in a directory received from others
+    rundir.atomic_write(html_path, _html(page))
+    rundir.atomic_write(json_path, json.dumps(_json(report, page, ladder), indent=1) + "\n")
     log(markdown_table(*page.main))
     log(f"verdict: {page.verdict}")
     for section in sections:
