@@ -5,15 +5,19 @@
 Trains a tiny model twice without interruption (the reference, and a run that times the others and
 checks that two uninterrupted runs agree), then, per trial, starts the same
 `train.py` command in a fresh directory, SIGKILLs it at a random moment and runs the command again
-(as often as it asks: exit 75 means "run it again"). A trial holds when the rerun exits 0 (or 2,
-"already trained", for a run killed after its `end` event) with bitwise the reference's final
+(as often as it asks: exit 75 means "run it again"). A trial holds when the rerun exits 0 (a run
+killed after its `end` event has nothing to do, and says so) with bitwise the reference's final
 parameters and the reference's metrics file (timings aside). Even
 trials pick the moment over the whole life of the process (start-up, compile, training, saving),
 odd ones over its training phase alone (from the `start` event on), where the saves are. Prints one
 line per trial (the moment and what the kill left on disk). Then `--sweeps` trials do the same to
 a two-member sweep, SIGKILLing its whole process group (its members run in their own sessions: they
-must stop with it, or be waited for by the rerun). Last line: {"trials": N, "held": K,
-"sweep_trials": M, "sweep_held": L}.
+must stop with it, or be waited for by the rerun). Then two hostile cases: a member left claimed by
+a dead runner with its takeover marker (a runner killed between taking the marker and replacing the
+claim), run with `--claim` (it must finish as the reference, not wait forever); and a copy of the
+reference whose checkpoints were swapped for another run's (another learning rate, checksums
+intact), which must be refused in one line (exit 1), not continued. Last line: {"trials": N,
+"held": K, "sweep_trials": M, "sweep_held": L, "claim_held": bool, "swap_refused": bool}.
 """
 
 from __future__ import annotations
@@ -148,9 +152,7 @@ def trial(i: int, rng: random.Random, root: Path, cache: Path, started: float, t
     training = i % 2 == 1
     moment = kill_at_random(workdir, cache, rng, training, total - started if training else total)
     rc = rerun(workdir, cache)
-    # exit 2 "already trained" is the answer for a run killed after its `end` event: nothing to redo
-    finished = rc == 0 or (rc == 2 and rundir.status(workdir, STEPS) == "finished")
-    held = finished and same_run(workdir, root / "reference")
+    held = rc == 0 and same_run(workdir, root / "reference")
     print(f"trial {i}: {moment}; rerun exit {rc}; {'held' if held else 'NOT HELD'}", flush=True)
     return held
 
@@ -205,6 +207,61 @@ def sweep_reference(root: Path, cache: Path) -> float:
     return time.monotonic() - began
 
 
+def claim_trial(root: Path, cache: Path) -> bool:
+    """A dead runner's claim with its takeover marker left behind, both an hour old: `--claim` must
+    take the member over and finish it as the reference."""
+    workdir = root / "claimed"
+    workdir.mkdir(parents=True)
+    import socket
+
+    dead = {"host": socket.gethostname(), "pid": 2**22 + 17, "token": "t"}  # above any pid in use here
+    from transformer.sweep.claims import claim_path
+
+    claim_path(workdir).write_text(json.dumps(dead))
+    claim_path(workdir).with_name(claim_path(workdir).name + ".t.takeover").write_text("")
+    hour_ago = time.time() - 3600
+    for path in workdir.iterdir():
+        os.utime(path, (hour_ago, hour_ago))
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    argv = [sys.executable, "train.py", *CONFIG, f"data.cache_dir={cache}", "--workdir", str(workdir)]
+    try:
+        proc = subprocess.run(
+            [*argv, "--claim", "--stale-after", "5"], cwd=ROOT, env=env, capture_output=True, timeout=600
+        )
+    except subprocess.TimeoutExpired:
+        print("claim: a leftover takeover marker wedged the member (no exit in 600 s): NOT HELD", flush=True)
+        return False
+    held = proc.returncode == 0 and same_run(workdir, root / "reference")
+    print(
+        f"claim: a dead runner's claim and takeover marker; exit {proc.returncode}; {'held' if held else 'NOT HELD'}",
+        flush=True,
+    )
+    return held
+
+
+def swap_trial(root: Path, cache: Path) -> bool:
+    """The reference's checkpoints swapped for another run's (lr 1e-3, checksums intact) in a copy
+    whose `end` is gone: the rerun must refuse them in one line, exit 1, not continue from them."""
+    other, workdir = root / "other-lr", root / "swapped"
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    argv = [sys.executable, "train.py", *CONFIG, f"data.cache_dir={cache}", "optim.lr=1e-3", "--workdir", str(other)]
+    subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, check=True)
+    shutil.copytree(root / "reference", workdir)
+    events = (workdir / rundir.EVENTS).read_text().splitlines()
+    (workdir / rundir.EVENTS).write_text("".join(e + "\n" for e in events if json.loads(e)["event"] != "end"))
+    shutil.rmtree(workdir / rundir.CHECKPOINTS)
+    shutil.copytree(other / rundir.CHECKPOINTS, workdir / rundir.CHECKPOINTS)
+    proc = train(workdir, cache)
+    _, err = proc.communicate()
+    lines = err.strip().splitlines()
+    refused = proc.returncode == 1 and len(lines) == 1 and "another config" in lines[0]
+    print(
+        f"swap: another run's checkpoints; exit {proc.returncode}: {lines[-1:]}; {'refused' if refused else 'NOT REFUSED'}",
+        flush=True,
+    )
+    return refused
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=12)
@@ -227,6 +284,7 @@ def main() -> None:
         print(f"an uninterrupted sweep: {sweep_total:.1f} s", flush=True)
         sweep_held = sum(sweep_trial(i, rng, root, cache, sweep_total) for i in range(args.sweeps))
         result.update(sweep_trials=args.sweeps, sweep_held=sweep_held)
+    result.update(claim_held=claim_trial(root, cache), swap_refused=swap_trial(root, cache))
     print(json.dumps(result))
 
 
