@@ -603,6 +603,17 @@ def test_mixture_entries_are_typed_and_fall_back_to_the_data_section():
         (["data.mixture=[{source: 'files:a'}]", "data.source=files:b"], "data.mixture", "data.source"),
         (["data.mixture=[{source: 'files:a'}]", "data.val_source=files:b"], "data.mixture", "val_source"),
         (["data.mixture={source: 'files:a'}"], "data.mixture", "a list of"),
+        (
+            ["data.mixture=[{source: 'files:a', weight: 1e308}, {source: 'files:b', weight: 1e308}]"],
+            "data.mixture",
+            "sum",
+        ),
+        (["data.mixture=[{source: 'files:a'}, {source: 'builtin:seq2seq'}]"], "data.mixture[1].source", "pairs"),
+        (
+            ["data.mixture=[{source: 'hf:a'}]", "data.input_field=a", "data.target_field=b"],
+            "data.input_field",
+            "mixture",
+        ),
     ],
     ids=[
         "negative-weight",
@@ -617,6 +628,9 @@ def test_mixture_entries_are_typed_and_fall_back_to_the_data_section():
         "with-data-source",
         "with-val-source",
         "not-a-list",
+        "weights-sum-to-infinity",
+        "pairs-source",
+        "pair-fields",
     ],
 )
 def test_mixture_mistakes_name_the_key(overrides, key, fragment):
@@ -682,6 +696,11 @@ FAMILY_MISTAKES = [
     (["data.input_field=a", "data.target_field=b"], "data.input_field", "hf: or files:"),
     (["model.arch=encoder", "data.source=hf:x", "data.input_field=a", "data.target_field=b"], "data.source", "pairs"),
     (["model.arch=encoder_decoder", "model.n_experts=4"], "model.n_experts", "dense"),
+    (["model.n_shared_experts=2"], "model.n_shared_experts", "model.n_experts"),
+    # a validation source of the other kind than the training source (text against pairs)
+    (["data.val_source=builtin:seq2seq"], "data.val_source", "input/target pairs, and data.source"),
+    (["data.source=builtin:seq2seq", "data.val_source=builtin:recall"], "data.val_source", "input/target pairs"),
+    (["data.source=builtin:seq2seq", "data.document_separator=x"], "data.document_separator", "input/target pairs"),
     (
         ["model.arch=encoder", "model.window=8", "model.attention_impl=cudnn", "model.dtype=bfloat16"],
         "model.attention_impl",
@@ -705,3 +724,32 @@ def test_pairs_rows_set_the_models_context():
     assert (seq2seq.data.objective, seq2seq.data.target_len, seq2seq.model.max_seq_len) == ("seq2seq", 48, 48)
     with pytest.raises(ConfigError, match=r"^data.seq_len: rows of 96 tokens \(prefix\) exceed model.max_seq_len"):
         load_config(None, [*pairs, "model.max_seq_len=64"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.source=builtin:seq2seq", "data.val_source=builtin:recall"], "data.val_source"),
+        (["data.source=builtin:seq2seq:max_len=1000000"], "data.source"),
+        (
+            ["data.mixture=[{source: builtin:stdlib, weight: 1e308}, {source: builtin:recall, weight: 1e308}]"],
+            "data.mixture",
+        ),
+    ],
+    ids=["val-source-kind", "unbounded-option", "weights-sum-to-infinity"],
+)
+def test_the_dry_run_refuses_what_the_run_refuses_in_one_line(overrides, key):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides, "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"train.py: error: config: {key}:"), result.stderr

@@ -415,6 +415,17 @@ def test_a_binary_file_among_text_files_is_one_line_naming_it(tmp_path):
     assert message.startswith("data.source:") and ".pdf files" in message and "convert them" in message
 
 
+@pytest.mark.parametrize("size", [4, 100_000])
+def test_a_txt_file_of_nul_bytes_is_said_to_hold_no_text(tmp_path, size):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_bytes(b"\0" * size)
+    message = one_line_error(D.prepare, config(f"files:{tmp_path / 'src'}", tmp_path / "cache"), 4, 0, log=quiet())
+    assert message.startswith("data.source:") and "a.txt" in message and "no text" in message, message
+    (tmp_path / "src" / "b.txt").write_text("some text " * 100)  # one such file among others: still named
+    message = one_line_error(D.prepare, config(f"files:{tmp_path / 'src'}", tmp_path / "cache"), 4, 0, log=quiet())
+    assert "a.txt" in message and "no text" in message, message
+
+
 def test_non_utf8_bytes_do_not_crash_the_byte_tokenizer(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -1017,6 +1028,19 @@ def test_recall_through_the_data_pipeline(tmp_path):
         ("builtin:seq2seq:min_len=5,max_len=3", "min_len <= max_len"),
         ("builtin:seq2seq:alphabet=2,max_len=3", "too few"),
         ("builtin:seq2seq:length=3", "unknown option 'length=3'"),
+        # every option bounded (a million-letter max_len hung validation), each duplicate refused
+        ("builtin:seq2seq:max_len=1000000", "max_len must be between 1 and 4096, got 1000000"),
+        ("builtin:seq2seq:min_len=0", "min_len must be between 1 and 4096"),
+        ("builtin:seq2seq:train_docs=100000000", "train_docs must be between 1 and 1000000"),
+        ("builtin:seq2seq:val_docs=0", "val_docs must be between 1 and 1000000"),
+        ("builtin:seq2seq:seed=-1", "seed must be between 0 and"),
+        ("builtin:seq2seq:max_len=4096,train_docs=1000000", "max_len x (train_docs + val_docs) = 4,098,048,000"),
+        ("builtin:seq2seq:task=sort,task=copy", "option 'task' is given twice"),
+        ("builtin:recall:distance=1000000000", "distance must be between"),
+        ("builtin:recall:train_docs=2000000", "train_docs must be between 1 and 1000000"),
+        ("builtin:recall:seed=-3", "seed must be between 0 and"),
+        ("builtin:recall:distance=100000,train_docs=1000000", "a document's tokens x (train_docs + val_docs)"),
+        ("builtin:recall:pairs=2,pairs=3", "option 'pairs' is given twice"),
     ],
 )
 def test_bad_builtin_sources_are_config_errors(source, words):

@@ -363,8 +363,14 @@ def _write_sweep_report(workdir: Path) -> None:
 
 
 def _dry_run(cfg: Config) -> int:
-    """The resolved config and the model summary."""
+    """The resolved config and the model summary; refused as the run would refuse it."""
     from transformer.accelerator import resolve
+    from transformer.train import check_credentials
+
+    try:
+        check_credentials(cfg)
+    except ConfigError as e:
+        _fail("train.py", f"config: {e}")
     from transformer.data import row_lengths
     from transformer.model import summary_text
 

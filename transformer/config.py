@@ -474,6 +474,11 @@ class ModelConfig:
         _check(self.n_experts >= 0, "n_experts", f"must be >= 0 (0: dense), got {self.n_experts}")
         if not self.n_experts:  # a dense model keeps moe_d_ff null, as exported HF configs do
             _check(self.moe_d_ff is None, "moe_d_ff", "is an expert's width: set model.n_experts, or leave it out")
+            _check(
+                self.n_shared_experts == 0,
+                "n_shared_experts",
+                f"{self.n_shared_experts} shared experts go beside routed ones: set model.n_experts > 0, or leave it out",
+            )
             return
         if self.moe_d_ff is None:
             object.__setattr__(self, "moe_d_ff", self.d_ff)
@@ -804,6 +809,7 @@ class DataConfig:
             "document_separator",
             "must not be empty (null: each .txt file or row is one document)",
         )
+        self._check_kinds()
         _check(
             self.tokenizer in ("byte", "bpe") or self.tokenizer.startswith("pretrained:"),
             "tokenizer",
@@ -843,6 +849,26 @@ class DataConfig:
             f"names fields of hf: or files: sources, not of {self.source}",
         )
 
+    def _check_kinds(self) -> None:
+        """A validation source and a document separator are for text: a pair source validates on its
+        own split, and a text source cannot validate on pairs (what the run's loader refuses too)."""
+        if self.pairs:
+            for key in ("val_source", "document_separator"):
+                _check(
+                    getattr(self, key) is None,
+                    key,
+                    f"applies to text sources, and {self.source} gives input/target pairs "
+                    "(they validate on the source's own validation split, or a hash split of it)",
+                )
+            return
+        if self.val_source is not None:
+            _check(
+                DataSource.parse(self.val_source).name != "seq2seq",
+                "val_source",
+                f"{self.val_source} gives input/target pairs, and data.source {self.source} gives text: "
+                "validate on a text source",
+            )
+
     @property
     def pairs(self) -> bool:
         """Whether the source gives input/target pairs (builtin:seq2seq, or named fields) rather than text."""
@@ -865,6 +891,23 @@ class DataConfig:
         _check(
             any(e.weight > 0 for e in self.mixture), "mixture", "the weights are all zero: give a source a weight > 0"
         )
+        total = sum(e.weight for e in self.mixture)
+        _check(
+            math.isfinite(total),
+            "mixture",
+            f"the weights sum to {total} (too large to normalise): scale them down, only their ratios count",
+        )
+        _check(
+            self.input_field is None,
+            "input_field",
+            "names the fields of input/target pairs, and data.mixture mixes text sources only",
+        )
+        for i, e in enumerate(self.mixture):
+            _check(
+                DataSource.parse(e.source).name != "seq2seq",
+                f"mixture[{i}].source",
+                f"{e.source} gives input/target pairs, and data.mixture mixes text sources only (the causal objective)",
+            )
         names = self.mixture_names
         duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
         _check(duplicate is None, "mixture", f"two sources are named {duplicate!r}: give each a distinct name")
@@ -1096,6 +1139,10 @@ class FaultsConfig:
 WandbMode = Literal["disabled", "online", "offline"]
 
 
+def _wandb_installed() -> bool:
+    return importlib.util.find_spec("wandb") is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class WandbConfig:
     """Weights & Biases (the optional `wandb` extra), off unless `mode` is online or offline (offline
@@ -1109,7 +1156,7 @@ class WandbConfig:
 
     def __post_init__(self):
         _check(
-            self.mode == "disabled" or importlib.util.find_spec("wandb") is not None,
+            self.mode == "disabled" or _wandb_installed(),
             "mode",
             "needs wandb: pip install 'transformer-ablations[wandb]'",
         )

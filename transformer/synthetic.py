@@ -30,21 +30,51 @@ VALUES = string.ascii_uppercase
 PAIR = 3  # "kV " in the pair list
 QUERY = 3  # "?kV" in the query list
 
+# Every option of a task is bounded, so that a typo cannot make validation or generation run for hours
+MAX_DOCS = 1_000_000  # documents (pairs) per split
+MAX_DISTANCE = 1_000_000  # recall: tokens between an answer and its query
+MAX_LEN = 4096  # seq2seq: letters of an input
+MAX_SEED = 2**32 - 1
+MAX_TASK_TOKENS = 2**30  # characters of all of a task's documents, both splits
+
 
 def parse_options(cls, options: str) -> dict:
     """'a=1,b=x' -> {'a': 1, 'b': 'x'} for the fields of dataclass `cls` (int fields as integers);
-    ValueError names an unknown option or a value that is not an integer."""
+    ValueError names an unknown option, one given twice, or a value that is not an integer."""
     kinds = {f.name: f.type for f in dataclasses.fields(cls)}
     kwargs: dict = {}
     for item in filter(None, options.split(",")):
         name, sep, value = item.partition("=")
         if not sep or name not in kinds:
             raise ValueError(f"unknown option {item!r} (options: {', '.join(sorted(kinds))})")
+        if name in kwargs:
+            raise ValueError(f"option {name!r} is given twice (once is enough: which one did you mean?)")
         try:
             kwargs[name] = int(value) if kinds[name] == "int" else value
         except ValueError:
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+            shown = value if len(value) <= 40 else value[:40] + "..."
+            raise ValueError(f"{name} must be an integer, got {shown!r}") from None
     return kwargs
+
+
+def check_range(name: str, value: int, low: int, high: int) -> None:
+    """ValueError naming option `name` unless low <= value <= high."""
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {value}")
+
+
+def _check_common(task) -> None:
+    """The options every task has: its document counts and its seed; and the size of its documents,
+    `task.longest` characters at most each, over both splits."""
+    for name in ("train_docs", "val_docs"):
+        check_range(name, getattr(task, name), 1, MAX_DOCS)
+    check_range("seed", task.seed, 0, MAX_SEED)
+    total = task.longest * (task.train_docs + task.val_docs)
+    if total > MAX_TASK_TOKENS:
+        raise ValueError(
+            f"{task.longest_name} x (train_docs + val_docs) = {total:,} characters, more than {MAX_TASK_TOKENS:,}: "
+            "lower them"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +86,17 @@ class RecallTask:
     val_docs: int = 1000
     seed: int = 0
 
+    longest_name = "a document's tokens"  # in _check_common's message
+
     def __post_init__(self):
-        if not 1 <= self.pairs <= len(KEYS):
-            raise ValueError(f"pairs must be between 1 and {len(KEYS)}, got {self.pairs}")
+        check_range("pairs", self.pairs, 1, len(KEYS))
         if self.shuffle not in (0, 1):
             raise ValueError(f"shuffle must be 0 or 1, got {self.shuffle}")
         if self.filler < 0:
             least = QUERY if self.shuffle else PAIR * self.pairs
             raise ValueError(f"distance must be >= {least} for {self.pairs} pairs, got {self.distance}")
-        if self.train_docs < 1 or self.val_docs < 1:
-            raise ValueError("train_docs and val_docs must be >= 1")
+        check_range("distance", self.distance, 0, MAX_DISTANCE)
+        _check_common(self)
 
     @classmethod
     def parse(cls, options: str) -> RecallTask:
@@ -81,6 +112,10 @@ class RecallTask:
     @property
     def doc_tokens(self) -> int:
         return PAIR * self.pairs + self.filler + QUERY * self.pairs
+
+    @property
+    def longest(self) -> int:
+        return self.doc_tokens
 
     def document(self, rng: np.random.Generator) -> str:
         keys = rng.choice(len(KEYS), self.pairs, replace=False)
@@ -123,20 +158,30 @@ class Seq2seqTask:
     val_docs: int = 500
     seed: int = 0
 
+    longest_name = "max_len"  # in _check_common's message
+
     def __post_init__(self):
         if self.task not in SEQ2SEQ_TASKS:
             raise ValueError(f"task must be one of {', '.join(SEQ2SEQ_TASKS)}, got {self.task!r}")
-        if not 1 <= self.min_len <= self.max_len:
+        check_range("min_len", self.min_len, 1, MAX_LEN)
+        check_range("max_len", self.max_len, 1, MAX_LEN)
+        if not self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={self.min_len}, max_len={self.max_len}")
-        if not 2 <= self.alphabet <= len(KEYS):
-            raise ValueError(f"alphabet must be between 2 and {len(KEYS)}, got {self.alphabet}")
-        if self.train_docs < 1 or self.val_docs < 1:
-            raise ValueError("train_docs and val_docs must be >= 1")
-        distinct = sum(self.alphabet**n for n in range(self.min_len, self.max_len + 1))
-        if distinct < 2 * (self.train_docs + self.val_docs):  # else validation inputs would be hard to find
+        check_range("alphabet", self.alphabet, 2, len(KEYS))
+        _check_common(self)
+        need, distinct = 2 * (self.train_docs + self.val_docs), 0
+        for n in range(self.min_len, self.max_len + 1):  # stops as soon as there are enough
+            distinct += self.alphabet**n
+            if distinct >= need:
+                break
+        if distinct < need:  # else validation inputs would be hard to find
             raise ValueError(
                 f"{distinct} distinct inputs are too few for train_docs + val_docs: raise max_len or alphabet"
             )
+
+    @property
+    def longest(self) -> int:
+        return self.max_len
 
     @classmethod
     def parse(cls, options: str) -> Seq2seqTask:

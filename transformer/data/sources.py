@@ -203,7 +203,29 @@ def _builder(source: DataSource, files: list[Path]) -> str:
     (builder,) = kinds
     if builder == "text":
         _check_text_files(source, [f for f in files if f.suffix.lower() not in BUILDERS])
+        for f in files:
+            if f.suffix.lower() == ".txt" and _only_nul(f):
+                raise DataError(
+                    f"data.source: {source.text} matches {f}, which holds no text (only NUL bytes and whitespace); "
+                    "remove it or narrow the glob"
+                )
     return builder
+
+
+NO_TEXT = b"\0 \t\r\n\f\v"  # what a file of only NUL bytes (and whitespace) holds
+CHUNK = 1 << 20
+
+
+def _only_nul(path: Path) -> bool:
+    """Whether a file holds NUL bytes and nothing else but whitespace: no text, however read. Reads
+    only until the first other byte (the first chunk of a text file)."""
+    seen_nul = False
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            if chunk.strip(NO_TEXT):
+                return False
+            seen_nul = seen_nul or b"\0" in chunk
+    return seen_nul
 
 
 def _check_text_files(source: DataSource, files: list[Path]) -> None:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the names as mypy sees them; at run time __getattr__ import
     from transformer.train.signals import PARENT_PID_ENV, Preempted  # noqa: F401
     from transformer.train.trainer import Trainer  # noqa: F401
     from transformer.train.validation import validation_metrics  # noqa: F401
+    from transformer.train.wandb_sink import check_credentials  # noqa: F401
 
 __all__, __getattr__ = exports(
     __name__,
@@ -58,5 +59,6 @@ __all__, __getattr__ = exports(
         "signals": ("PARENT_PID_ENV", "Preempted"),
         "trainer": ("Trainer",),
         "validation": ("validation_metrics",),
+        "wandb_sink": ("check_credentials",),
     },
 )

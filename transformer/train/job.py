@@ -20,12 +20,14 @@ from transformer.rundir import RunWriter
 from transformer.train.loop import RunResult, train
 from transformer.train.signals import StopSignal
 from transformer.train.trainer import Trainer, TrainState
+from transformer.train.wandb_sink import check_credentials
 
 
 def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
     """The `train.py` job: resume checks, data, the resolved config, training, checkpoints, and a summary.
     The run directory is locked for the job's life (rundir.Busy when another process writes it)."""
     limits.check_platform(cfg)  # refuse an impossible mesh, dtype, attention or size before any work
+    check_credentials(cfg)
     resume_changes(cfg, workdir)  # refuse an unsafe change before touching the directory (the lock file)
     with writer_lock(workdir):  # ... and check again under the lock, in _run
         return _run(cfg, workdir, log)
