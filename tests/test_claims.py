@@ -299,3 +299,21 @@ def test_train_claim_on_a_claim_directory_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("train.py: error:") and ".claim" in lines[0], out.stderr
+
+
+def test_a_runner_names_another_runners_claim_once_not_at_every_poll(tmp_path):
+    """A member held by a live runner elsewhere is deferred at every poll; its holder is said once
+    (the log said it hundreds of times a minute while a takeover marker was fresh)."""
+    from transformer.sweep import load_sweep
+    from transformer.sweep.runner import SweepRunner
+
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(yaml.safe_dump({**TINY_SWEEP, "sweep": {"seeds": [0]}}))
+    sweep = load_sweep(str(spec), [])
+    (member,) = sweep.members
+    write_claim(tmp_path / member.name, pid=4242, age=0.0)
+    lines: list[str] = []
+    runner = SweepRunner(sweep, tmp_path, {member.name: "pending"}, log=lines.append)
+    for _ in range(5):
+        assert runner.take(member) is False
+    assert sum("left to it" in line for line in lines) == 1, lines

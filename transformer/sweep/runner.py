@@ -152,6 +152,7 @@ class SweepRunner:
         self.stale_after = stale_after
         self.claims: dict[str, Claim] = {}  # the members this runner holds
         self.deferred: list[Member] = []  # members other runners hold
+        self.holders: dict[str, str] = {}  # the holder last named for each deferred member
         self.pending = [m for m in sweep.members if statuses[m.name] not in FINAL]
         self.done = len(sweep.members) - len(self.pending)  # finished before this run
         self.launched = 0
@@ -223,7 +224,9 @@ class SweepRunner:
         claim = Claim(self.workdir / m.name, self.stale_after, on_lost=functools.partial(self.on_lost, m.name))
         holder = claim.try_acquire()
         if holder is not None:
-            self.log(f"  {m.name}: claimed by {holder}; left to it")
+            if self.holders.get(m.name) != holder:  # said once per holder, not at every poll
+                self.log(f"  {m.name}: claimed by {holder}; left to it")
+                self.holders[m.name] = holder
             self.deferred.append(m)
             return False
         self.statuses[m.name] = rundir.status(self.workdir / m.name, m.config.train.steps)
