@@ -129,3 +129,16 @@ def test_throughput_overall_is_the_whole_training_time_not_the_last_reading(monk
     tokens_per_s, mfu = meter.overall()
     assert tokens_per_s == pytest.approx(100 * 20 / 20.001)
     assert mfu == pytest.approx(1e9 * 20 / 20.001 / 2 / 1e9)
+
+
+def test_collapsed_attention_has_entropy_zero_not_nan():
+    """Attention-logit growth ends in one-hot attention: every other key's probability underflows to
+    exactly 0, and 0 * log 0 must count as 0 (the Wortsman study's runs at high learning rates logged
+    nan here, hiding the collapse it measures)."""
+    T = 4
+    logits = jnp.where(jnp.eye(T, dtype=bool), 1e4, 0.0)[None, None, None]  # each query on itself, by far
+    stats = attention_stats(logits, attention_mask(jnp.arange(T), jnp.arange(T), None))
+    assert float(stats["attn_entropy"]) == 0.0
+    half = jnp.where(jnp.arange(T)[None, :] <= 1, 1e4, 0.0) * jnp.ones((T, 1))  # keys 0 and 1 tie, far above
+    stats = attention_stats(half[None, None, None], attention_mask(jnp.arange(T), jnp.arange(T), None))
+    assert float(stats["attn_entropy"]) == pytest.approx((0 + 3 * math.log(2)) / T, rel=1e-6)

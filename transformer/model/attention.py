@@ -74,7 +74,10 @@ def attention_stats(logits_BxKxGxTxS: jax.Array, mask_BxTxS: jax.Array) -> dict[
     allowed = jnp.broadcast_to(mask_BxTxS[:, None, None], logits_BxKxGxTxS.shape)
     masked = jnp.where(allowed, logits_BxKxGxTxS, MASK_VALUE)
     probs = jax.nn.softmax(masked, axis=-1)
-    entropy = -jnp.sum(jnp.where(allowed, probs * jnp.log(jnp.where(allowed, probs, 1.0)), 0.0), axis=-1)
+    # 0 * log 0 is 0: collapsed (one-hot) attention, where the other keys' probabilities underflow
+    # to exactly 0, has entropy 0, not nan
+    attended = allowed & (probs > 0)
+    entropy = -jnp.sum(jnp.where(attended, probs * jnp.log(jnp.where(attended, probs, 1.0)), 0.0), axis=-1)
     return {
         "attn_logit_max": jnp.max(masked),
         "attn_logit_mean": jnp.sum(jnp.where(allowed, logits_BxKxGxTxS, 0.0)) / jnp.sum(allowed),
