@@ -408,7 +408,8 @@ def test_a_second_sweep_on_one_directory_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_kills_at_random_moments_resume(tmp_path):
-    """The suite's small version of benchmarks/reliability.py (which runs more trials)."""
+    """The suite's small version of benchmarks/reliability.py (which runs more trials), with its two
+    hostile cases: a dead runner's claim and takeover marker, and another run's checkpoints."""
     out = subprocess.run(
         [sys.executable, "benchmarks/reliability.py", "--trials", "2", "--sweeps", "1", "--workdir", str(tmp_path)],
         cwd=ROOT,
@@ -423,4 +424,6 @@ def test_kills_at_random_moments_resume(tmp_path):
         "held": 2,
         "sweep_trials": 1,
         "sweep_held": 1,
+        "claim_held": True,
+        "swap_refused": True,
     }
