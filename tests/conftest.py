@@ -2,6 +2,7 @@ import itertools
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -78,6 +79,24 @@ def key():
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be or had not".split()
+
+
+def within(seconds: float, call):
+    """What `call` raised (or returned), failing the test when it runs longer than `seconds`
+    (a call that waits or blocks for good)."""
+    outcome = []
+
+    def target():
+        try:
+            outcome.append(call())
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    return outcome[0]
 
 
 def write_corpus(path: Path, seed: int, n: int = 300) -> Path:

@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import yaml
-from conftest import ROOT, TINY_SWEEP
+from conftest import ROOT, TINY_SWEEP, within
 
 from transformer import rundir
 from transformer.sweep.claims import Claim, claim_path, read_claim, run_claimed
@@ -273,23 +272,6 @@ def test_a_claim_that_is_not_a_file_is_refused_not_waited_on(tmp_path, kind):
     error = within(10, lambda: run_claimed(tmp_path / "m", lambda: False, lambda: 0, poll=0.01))
     assert isinstance(error, rundir.Busy) and "damaged" in str(error), error
     assert str(path) in str(error) and "\n" not in str(error)
-
-
-def within(seconds, call):
-    """What `call` raised, failing the test when it runs longer than `seconds` (waits for good)."""
-    outcome = []
-
-    def target():
-        try:
-            outcome.append(call())
-        except Exception as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert outcome, f"still waiting after {seconds} s"
-    return outcome[0]
 
 
 def test_train_claim_on_a_claim_directory_is_one_line_and_exit_2(tmp_path):

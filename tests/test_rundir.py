@@ -8,13 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY_SWEEP, assert_bitwise_equal, final_params, tiny_run_overrides, write_corpus
+from conftest import ROOT, TINY_SWEEP, assert_bitwise_equal, final_params, tiny_run_overrides, within, write_corpus
 
 from transformer import rundir
 from transformer.config import ConfigError
@@ -93,23 +92,6 @@ def test_a_fifo_or_directory_in_the_run_directory_is_refused_in_one_line(tmp_pat
 def write_through(run: Path) -> None:
     with rundir.RunLock(run):
         rundir.RunWriter(run, True, tensorboard=False).close()
-
-
-def within(seconds, call):
-    """What `call` raised (or returned), failing the test when it runs longer than `seconds`."""
-    outcome = []
-
-    def target():
-        try:
-            outcome.append(call())
-        except Exception as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert outcome, f"still blocked after {seconds} s"
-    return outcome[0]
 
 
 def test_config_and_truncated_metrics_replace_a_symlink_never_write_through_it(tmp_path):

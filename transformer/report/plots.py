@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from transformer import rundir
 from transformer.report.scaling import LadderSummary
-from transformer.report.stats import LR_KEY, SIZE_KEYS, Report, format_value, short_key, transfer, transfer_points
+from transformer.report.stats import LR_KEY, SIZE_KEYS, Report, Run, format_value, short_key, transfer, transfer_points
 
 FACET_ABOVE = 8  # more variants than this: one panel per level of the compared key
 
@@ -127,17 +129,25 @@ def per_layer(report: Report) -> Figure | None:
     return fig
 
 
+def _by_lr(report: Report, value: Callable[[Run], Any]) -> tuple[list[str], dict[str, dict[float, list]]]:
+    """The other varied keys, and each finished run's `value` (None: left out) by the setting of
+    those keys (a line's label) and by learning rate."""
+    others = [k for k in report.keys if k != LR_KEY]
+    lines: dict[str, dict[float, list]] = {}
+    for run in report.finished(report.runs):
+        point = value(run)
+        if point is not None:
+            label = ",".join(format_value(run.values.get(k)) for k in others) or "all"
+            lines.setdefault(label, {}).setdefault(float(run.values[LR_KEY]), []).append(point)
+    return others, lines
+
+
 def loss_vs_lr(report: Report) -> Figure | None:
     """Final loss (capped at the initial loss, as in the LR sensitivity) against the learning rate,
     one line per setting of the other varied keys; crosses mark diverged runs."""
     if LR_KEY not in report.keys:
         return None
-    others = [k for k in report.keys if k != LR_KEY]
-    lines: dict[str, dict[float, list[tuple[float, bool]]]] = {}
-    for run in report.finished(report.runs):
-        label = ",".join(format_value(run.values.get(k)) for k in others) or "all"
-        point = (report.capped_final_loss(run), report.summaries[run.name].diverged)
-        lines.setdefault(label, {}).setdefault(float(run.values[LR_KEY]), []).append(point)
+    others, lines = _by_lr(report, lambda run: (report.capped_final_loss(run), report.summaries[run.name].diverged))
     if not lines:
         return None
     fig, (ax,) = _grid(1, width=7.0, height=4.5)
@@ -166,13 +176,12 @@ def stat_vs_lr(report: Report, field: str, ylabel: str, log_y: bool = False) -> 
     growth and entropy collapse, and output-logit divergence, against the learning rate."""
     if LR_KEY not in report.keys:
         return None
-    others = [k for k in report.keys if k != LR_KEY]
-    lines: dict[str, dict[float, list[float]]] = {}
-    for run in report.finished(report.runs):
+
+    def finite(run: Run) -> float | None:
         value = float(getattr(report.summaries[run.name], field))
-        if math.isfinite(value):
-            label = ",".join(format_value(run.values.get(k)) for k in others) or "all"
-            lines.setdefault(label, {}).setdefault(float(run.values[LR_KEY]), []).append(value)
+        return value if math.isfinite(value) else None
+
+    others, lines = _by_lr(report, finite)
     if not lines:
         return None
     fig, (ax,) = _grid(1, width=7.0, height=4.5)

@@ -35,7 +35,7 @@ import difflib
 import math
 from typing import Any
 
-from transformer.config import Config, ConfigError
+from transformer.config import Config, ConfigError, ModelConfig
 from transformer.config_loader import from_dict
 
 # sizes the base could fix that the rung's width must derive (null: derived at every rung)
@@ -157,9 +157,8 @@ def _config(raw: dict, sizes: dict[str, Any]) -> Config:
         raise LadderError(e.key, f"{e.message} (at the ladder's shape {shape})") from None
 
 
-def _shape(raw: dict, d_model: int, n_layers: int, n_heads: int) -> dict[str, Any]:
+def _shape(base: ModelConfig, d_model: int, n_layers: int, n_heads: int) -> dict[str, Any]:
     """A rung's sizes: key/value heads keep the base's grouping (MHA stays MHA, MQA stays MQA)."""
-    base = from_dict(raw).model
     if base.n_kv_heads == 1:  # MQA stays MQA
         return dict(zip(SIZE_KEYS, (d_model, n_layers, n_heads, 1)))
     group = base.n_heads // base.n_kv_heads
@@ -170,7 +169,7 @@ def _shape(raw: dict, d_model: int, n_layers: int, n_heads: int) -> dict[str, An
     return dict(zip(SIZE_KEYS, (d_model, n_layers, n_heads, n_heads // group)))
 
 
-def _shapes_given(raw: dict, shapes: list) -> list[dict[str, Any]]:
+def _shapes_given(base: ModelConfig, shapes: list) -> list[dict[str, Any]]:
     out = []
     for i, shape in enumerate(shapes):
         where = f"sweep.ladder.shapes[{i}]"
@@ -184,13 +183,14 @@ def _shapes_given(raw: dict, shapes: list) -> list[dict[str, Any]]:
             _positive(f"{where}.d_model", shape["d_model"], int),
             _positive(f"{where}.n_layers", shape["n_layers"], int),
         )
-        head_dim = from_dict(raw).model.head_dim
-        heads = _positive(f"{where}.n_heads", shape["n_heads"], int) if "n_heads" in shape else max(1, d // head_dim)
-        out.append(_shape(raw, d, L, heads))
+        heads = (
+            _positive(f"{where}.n_heads", shape["n_heads"], int) if "n_heads" in shape else max(1, d // base.head_dim)
+        )
+        out.append(_shape(base, d, L, heads))
     return out
 
 
-def _shape_for(raw: dict, target: float, aspect: float, head_dim: int) -> dict[str, Any]:
+def _shape_for(raw: dict, base: ModelConfig, target: float, aspect: float, head_dim: int) -> dict[str, Any]:
     """The depth's shape whose non-embedding parameter count is nearest `target` in ratio."""
     from transformer.model import non_embedding_params
 
@@ -198,7 +198,7 @@ def _shape_for(raw: dict, target: float, aspect: float, head_dim: int) -> dict[s
     for depth in range(1, MAX_DEPTH + 1):
         d = max(head_dim, round(aspect * depth / head_dim) * head_dim)
         try:
-            sizes = _shape(raw, d, depth, d // head_dim)
+            sizes = _shape(base, d, depth, d // head_dim)
         except LadderError:  # too few heads at this depth for the base's grouping
             continue
         miss = abs(math.log(non_embedding_params(_config(raw, sizes).model) / target))
@@ -212,18 +212,18 @@ def _shape_for(raw: dict, target: float, aspect: float, head_dim: int) -> dict[s
 
 
 def _shapes(raw: dict, spec: dict) -> list[dict[str, Any]]:
+    base = from_dict(raw).model  # resolved once: each candidate shape reads its head grouping
     if "shapes" in spec:
         for key in ("aspect", "head_dim"):
             if key in spec:
                 raise LadderError(f"sweep.ladder.{key}", "goes with sweep.ladder.params (shapes are given)")
-        return _shapes_given(raw, _list("sweep.ladder.shapes", spec["shapes"]))
-    base = from_dict(raw).model
+        return _shapes_given(base, _list("sweep.ladder.shapes", spec["shapes"]))
     aspect = _positive("sweep.ladder.aspect", spec.get("aspect", base.d_model / base.n_layers))
     head_dim = _positive("sweep.ladder.head_dim", spec.get("head_dim", base.head_dim), int)
     targets = [
         _positive(f"sweep.ladder.params[{i}]", p) for i, p in enumerate(_list("sweep.ladder.params", spec["params"]))
     ]
-    return [_shape_for(raw, t, aspect, head_dim) for t in targets]
+    return [_shape_for(raw, base, t, aspect, head_dim) for t in targets]
 
 
 def _lrs(spec: dict, n: int) -> list[tuple[float, ...]]:
