@@ -52,8 +52,13 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
         data = prepare(cfg.data, cfg.train.batch_size, cfg.train.seed, log=lambda _: None)
         cfg = cfg.with_vocab(data.vocab_size)
         mesh = sharding.make_mesh(cfg, jax.devices()[:n])
-        losses = []
-        train(cfg, data, None, mesh, log=lambda _: None, on_metrics=lambda step, m, out=losses: out.append(m["loss"]))
+        losses, clipped = [], []
+
+        def on_metrics(step, m, losses=losses, clipped=clipped):
+            losses.append(m["loss"])
+            clipped.append(m.get("qk_clipped_heads", 0.0))  # under model.qk_clip
+
+        train(cfg, data, None, mesh, log=lambda _: None, on_metrics=on_metrics)
         specs = Trainer(cfg, mesh).state_shardings.params
         attn = specs["blocks"]["attn"]
         named = {name: str(attn[name].spec) for name in ("qkv", "out", "wk_up", "wv_up") if name in attn}
@@ -63,7 +68,7 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
             named["cross_qkv"] = str(specs["blocks"]["cross_attn"]["qkv"].spec)
         if "moe_blocks" in specs:  # a config with interleaved mixture-of-experts layers
             named["experts"] = str(specs["moe_blocks"]["ffn"]["w_in"].spec)
-        results.append({"mesh": dict(mesh.shape), "losses": losses, "specs": named})
+        results.append({"mesh": dict(mesh.shape), "losses": losses, "clipped": clipped, "specs": named})
     print(json.dumps(results))
 
 

@@ -42,7 +42,7 @@ def test_each_layers_norm_is_the_losss_derivative_along_that_layers_gradient(pla
     profile = profile_of(trainer, state, batch)
 
     def mean_loss(params):
-        objective, (_, count, _, _) = trainer._loss(params, batch, None)
+        objective, (_, count, _, _, _) = trainer._loss(params, batch, None)
         return objective / count
 
     grads = jax.grad(mean_loss)(state.params)

@@ -138,11 +138,15 @@ def test_mup_with_depth_scaling_and_experts_trains_to_the_same_losses_across_mes
 def test_muon_trains_to_the_same_losses_across_meshes(corpus, tmp_path):
     """Muon's Newton-Schulz matmuls run on the sharded matrices (layers, fsdp's D, tensor's heads and
     FFN width, the expert axis's experts): XLA's partitioner gathers what each Gram product needs, and
-    every mesh takes the same steps. GQA (the fused q of two heads per kv head, k, v) and an MoE layer."""
+    every mesh takes the same steps. GQA (the fused q of two heads per kv head, k, v) and an MoE layer.
+    With QK-clip, as MuonClip: the heads' largest logits are reduced over the batch's shards and
+    the same heads are clipped on every mesh."""
     meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
     meshes += [{"devices": 4, "data": 2, "expert": 2}]
-    config = "model:\n  n_experts: 2\n  moe_every: 2\noptim:\n  name: muon\n"
-    _same_losses_across_meshes(corpus, tmp_path, meshes, config)
+    config = "model:\n  n_experts: 2\n  moe_every: 2\n  qk_clip: 0.12\noptim:\n  name: muon\n"
+    results = _same_losses_across_meshes(corpus, tmp_path, meshes, config)
+    assert sum(results[0]["clipped"]) > 0
+    assert all(r["clipped"] == results[0]["clipped"] for r in results), [r["clipped"] for r in results]
 
 
 @pytest.mark.slow

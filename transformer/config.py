@@ -185,6 +185,10 @@ class ModelConfig:
     qk_norm: bool = False
     attn_softcap: float | None = None
     logit_softcap: float | None = None
+    # QK-clip (Kimi K2's MuonClip): after each update, a head whose largest attention logit in the
+    # step passed this threshold has its query and key projections scaled down to bring it back to
+    # the threshold (model/qk_clip.py); null: off
+    qk_clip: float | None = None
     init_std: float = 0.02
     init_depth_scaled: bool = True  # residual output projections get init_std / sqrt(2 * n_layers)
     param_dtype: DType = "float32"
@@ -239,6 +243,7 @@ class ModelConfig:
         self._check_windows()
         self._check_scalars()
         self._check_attention_impl()
+        self._check_qk_clip()
         self._check_mla()
         self._check_moe()
         self._check_arch()
@@ -400,7 +405,7 @@ class ModelConfig:
         _check(
             self.rope_original_max_len >= 1, "rope_original_max_len", f"must be >= 1, got {self.rope_original_max_len}"
         )
-        for name in ("attn_scale", "attn_softcap", "logit_softcap"):
+        for name in ("attn_scale", "attn_softcap", "logit_softcap", "qk_clip"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, f"must be > 0 or null, got {value}")
         for name in ("dropout", "attn_dropout"):
@@ -420,6 +425,20 @@ class ModelConfig:
             self.attention_impl != "cudnn" or self.dtype != "float32",
             "attention_impl",
             "cudnn attention runs in bfloat16 or float16; set model.dtype accordingly",
+        )
+
+    def _check_qk_clip(self) -> None:
+        if self.qk_clip is None:
+            return
+        _check(
+            not self.qk_norm,
+            "qk_clip",
+            "rescales the query and key projections, which qk_norm normalises away again: use one of the two",
+        )
+        _check(
+            self.arch != "encoder_decoder",
+            "qk_clip",
+            "clips self-attention in decoders and encoders; an encoder-decoder's encoder and cross-attention are not clipped yet",
         )
 
     def _check_mla(self) -> None:

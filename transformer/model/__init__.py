@@ -17,6 +17,8 @@
 - `moe.py`: the mixture-of-experts FFN (router, capacity or dropless dispatch, routing losses);
 - `transformer.py`: the block (norm placement), the layer stacks (scan, remat), the `Transformer`
   of each family (decoder, encoder, encoder-decoder);
+- `qk_clip.py`: QK-clip (`model.qk_clip`), each clipped head's query and key projections rescaled
+  after the update;
 - `summary.py`: parameter counts, FLOPs and KV-cache bytes per token, the `--dry-run` summary.
 
 The model places nothing on devices: it names logical axes, which `transformer/sharding.py` maps.
@@ -25,6 +27,7 @@ The model places nothing on devices: it names logical axes, which `transformer/s
 from transformer.model.layers import Placer, placing
 from transformer.model.moe import STEP_METRICS
 from transformer.model.parametrization import OptimizerScaling, matrix_axes, optimizer_scaling
+from transformer.model.qk_clip import clip_qk
 from transformer.model.summary import (
     abstract_model,
     count_params,
@@ -43,6 +46,7 @@ __all__ = [
     "Placer",
     "Transformer",
     "abstract_model",
+    "clip_qk",
     "count_params",
     "cross_cache_bytes_per_source_token",
     "flops_per_token",

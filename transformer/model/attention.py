@@ -113,6 +113,33 @@ class Keys(NamedTuple):
     static: bool  # by token index (causal when the layer is), a window known at trace time: the library's own masking
 
 
+def head_logit_max(
+    q_BxTxKxGxH: jax.Array, keys: Keys, window: Window, causal: bool, cfg: ModelConfig, block: int = 256
+) -> jax.Array:
+    """[K*G]: each query head's largest scaled score q·k over the pairs its mask allows in the batch
+    (before soft-capping and any position bias: the part that rescaling the query and key
+    projections changes), what QK-clip reads (model/qk_clip.py). No gradient flows through it. The
+    scores are formed `block` queries at a time, so a long sequence never holds all of them."""
+    q_BxTxKxGxH, k_BxSxKxH = jax.lax.stop_gradient(q_BxTxKxGxH), jax.lax.stop_gradient(keys.k_BxSxKxH)
+    B, T, K, G, H = q_BxTxKxGxH.shape
+    n = T // block if T > block and T % block == 0 else 1
+    rows = T // n
+    index_S = jnp.arange(k_BxSxKxH.shape[1])
+
+    def chunk_max(xs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        c, q_BxRxKxGxH = xs
+        if keys.mask_BxTxS is None:  # the library's own masking: by token index, a static window
+            mask_BxRxS = attention_mask(c * rows + jnp.arange(rows), index_S, window, causal=causal)
+        else:
+            mask_BxRxS = jax.lax.dynamic_slice_in_dim(keys.mask_BxTxS, c * rows, rows, axis=1)
+        scores = jnp.einsum("BRKGH,BSKH->BKGRS", q_BxRxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
+        allowed = jnp.broadcast_to(mask_BxRxS[:, None, None], scores.shape)
+        return jnp.max(jnp.where(allowed, scores * cfg.scale, -jnp.inf), axis=(0, 3, 4))
+
+    q_NxBxRxKxGxH = q_BxTxKxGxH.reshape(B, n, rows, K, G, H).swapaxes(0, 1)
+    return jnp.max(jax.lax.map(chunk_max, (jnp.arange(n), q_NxBxRxKxGxH)), axis=0).reshape(K * G)
+
+
 class Attention(nnx.Module):
     """Self-attention over the K kv heads' G query heads each, with the configured positions:
     causal, or bidirectional (`causal=False`, an encoder's); `encoder_stack` picks the init scales
@@ -164,6 +191,10 @@ class Attention(nnx.Module):
         bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS)
         if collect:
             self.sow_stats(q_BxTxKxGxH, keys, bias_BxNxTxS, segment_ids_BxT, window)
+        elif self.cfg.qk_clip is not None and cache is None:  # the step's forward pass: what QK-clip reads
+            self.sow(
+                nnx.Intermediate, "head_logit_max", head_logit_max(q_BxTxKxGxH, keys, window, self.causal, self.cfg)
+            )
         out_BxTxNxH = self.attend(q_BxTxKxGxH, keys, bias_BxNxTxS, window, key)
         return self.output(out_BxTxNxH, x_BxTxD.dtype), new_cache
 

@@ -194,9 +194,10 @@ def _block_forward(
     collect: bool,
     memory: Memory | None = None,
 ) -> tuple[jax.Array, Stats]:
-    """One block without a cache, and what it sowed, by name: with `collect`, or when its FFN is a
-    mixture of experts (whose routing losses the trainer needs); else {}."""
-    if not (collect or isinstance(block.ffn, MoE)):
+    """One block without a cache, and what it sowed, by name: with `collect`, when its FFN is a
+    mixture of experts (whose routing losses the trainer needs), or under QK-clip (its heads' largest
+    logits); else {}."""
+    if not (collect or isinstance(block.ffn, MoE) or block.cfg.qk_clip is not None):
         return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, memory=memory)[0], {}
     forward = nnx.capture(
         lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=collect, memory=memory)[0],
@@ -592,9 +593,11 @@ class Transformer(nnx.Module):
         encoder_positions_BxS: jax.Array | None = None,
         encoder_segment_ids_BxS: jax.Array | None = None,
     ) -> tuple[jax.Array, Stats]:
-        """(the last hidden states [B, T, D], before the output projection, the routing terms of the
-        MoE layers, each of `moe.STEP_METRICS` reduced over them; {} for a dense model). A chunked
-        loss projects the hidden states a few positions at a time: `transformer/train/loss.py`.
+        """(the last hidden states [B, T, D], before the output projection, what the step reads
+        besides them: the routing terms of the MoE layers, each of `moe.STEP_METRICS` reduced over
+        them, and under `model.qk_clip` each layer's heads' largest logits, `head_logit_max` [L, N];
+        {} for a dense model without QK-clip). A chunked loss projects the hidden states a few
+        positions at a time: `transformer/train/loss.py`.
 
         positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
         segment_ids_BxT: document ids, attention never crosses a change of id;
@@ -611,4 +614,7 @@ class Transformer(nnx.Module):
         memory, _ = self._memory(encoder_tokens_BxS, encoder_positions_BxS, encoder_segment_ids_BxS, key)
         x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
         x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key, memory=memory)
-        return x_BxTxD, {k: over(stats[f"layer_{k}"]) for k, over in STEP_METRICS.items() if f"layer_{k}" in stats}
+        terms = {k: over(stats[f"layer_{k}"]) for k, over in STEP_METRICS.items() if f"layer_{k}" in stats}
+        if "head_logit_max" in stats:  # layer-major whichever way the layers ran: [L * N] or [L, N]
+            terms["head_logit_max"] = stats["head_logit_max"].reshape(self.cfg.n_layers, -1)
+        return x_BxTxD, terms

@@ -89,7 +89,7 @@ class GradProfile:
 
 def _gradient_norms(trainer: Trainer, state, batch) -> tuple[dict, jax.Array]:
     """(every parameter's gradient norm, per layer along a stack's leading axis; the batch's loss)."""
-    grads, nll_sum, count, _ = trainer.gradients(state, batch)
+    grads, nll_sum, count, _, _ = trainer.gradients(state, batch)
 
     def norm(path, g):
         if str(path[0].key).endswith("blocks"):

@@ -22,7 +22,7 @@ from flax import nnx
 
 from transformer import accelerator, sharding
 from transformer.config import Config
-from transformer.model import STEP_METRICS, Transformer, layer_slots, optimizer_scaling, placing
+from transformer.model import STEP_METRICS, Transformer, clip_qk, layer_slots, optimizer_scaling, placing
 from transformer.train import loss
 from transformer.train.optim import make_optimizer, schedule
 
@@ -175,6 +175,7 @@ class Trainer:
         model = nnx.merge(self.graphdef, params)
         with placing(self.placer):
             x_BxTxD, routing = model.forward(*model_inputs(batch), key=key, **encoder_inputs(batch))
+        head_max = routing.pop("head_logit_max", None)  # under model.qk_clip: [L, N]
         weights = batch.get("weights", jnp.ones(batch["targets"].shape, jnp.float32))
         objective, nll_sum, count, correct = loss.objective(
             x_BxTxD, model.logits, batch["targets"], weights, self.cfg.train.z_loss, self.cfg.loss_chunk
@@ -182,18 +183,21 @@ class Trainer:
         if routing:  # the MoE losses are means over tokens: as sums, like the objective
             m = self.cfg.model
             objective += count * (m.moe_aux_loss * routing["moe_aux_loss"] + m.moe_z_loss * routing["router_z_loss"])
-        return objective, (nll_sum, count, routing, correct)
+        return objective, (nll_sum, count, routing, correct, head_max)
 
     def _train_step(self, state: TrainState, batch: dict, controls: dict) -> tuple[TrainState, dict]:
         """One update. `controls` (see `default_controls`) carry the host's decisions into the step:
         learning-rate scale, the skip limits of the monitor, injected NaN gradients."""
-        grads, nll_sum, count, routing = self.gradients(state, batch)
+        grads, nll_sum, count, routing, head_max = self.gradients(state, batch)
         grads = jax.tree.map(lambda g: jnp.where(controls["nan_grads"], jnp.nan, g), grads)  # fault injection
         loss, grad_norm = nll_sum / count, optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         # lr_scale multiplies the whole update: AdamW's decoupled decay is scaled by lr too
         updates = jax.tree.map(lambda u: u * controls["lr_scale"], updates)
         params = optax.apply_updates(state.params, updates)
+        if head_max is not None:  # QK-clip: after the update, from the logits of the step's forward pass
+            params, clipped = clip_qk(self.cfg.model, params, head_max)
+            routing = {**routing, "qk_max_logit": jnp.max(head_max), "qk_clipped_heads": clipped.astype(jnp.float32)}
         apply = _should_apply(loss, grad_norm, controls)
         params, opt_state = _keep_unless(apply, (params, opt_state), (state.params, state.opt_state))
         metrics = {
@@ -209,30 +213,34 @@ class Trainer:
             metrics.update(_per_layer_metrics(self.cfg, grads, updates, state.params))
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    def gradients(self, state: TrainState, batch: dict) -> tuple[dict, Any, Any, dict]:
+    def gradients(self, state: TrainState, batch: dict) -> tuple[dict, Any, Any, dict, jax.Array | None]:
         """(gradients of the mean objective, nll sum, token count, the MoE routing metrics averaged
-        over tokens) of the batch, accumulated over `train.grad_accum` micro-batches."""
-        accum = self.cfg.train.grad_accum
+        over tokens, under QK-clip each layer's heads' largest logit [L, N] else None) of the batch,
+        accumulated over `train.grad_accum` micro-batches."""
+        cfg = self.cfg.model
         step_key = self._dropout_key(state.step)
         grad_fn = jax.grad(self._loss, has_aux=True)
 
         def micro(carry, xs):
-            grads, nll_sum, count, routing = carry
+            grads, nll_sum, count, routing, head_max = carry
             micro_batch, index = xs
             key = None if step_key is None else jax.random.fold_in(step_key, index)
-            g, (n, c, r, _) = grad_fn(state.params, micro_batch, key)
+            g, (n, c, r, _, m) = grad_fn(state.params, micro_batch, key)
             routing = {k: routing[k] + c * r[k] for k in routing}
-            return (jax.tree.map(jnp.add, grads, g), nll_sum + n, count + c, routing), None
+            head_max = None if head_max is None else jnp.maximum(head_max, m)
+            return (jax.tree.map(jnp.add, grads, g), nll_sum + n, count + c, routing, head_max), None
 
+        accum = self.cfg.train.grad_accum
         micro_batches = _micro_batches(batch, accum)
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        routing = {k: jnp.float32(0.0) for k in STEP_METRICS} if self.cfg.model.n_experts else {}
-        (grads, nll_sum, count, routing), _ = jax.lax.scan(
-            micro, (zeros, 0.0, 0.0, routing), (micro_batches, jnp.arange(accum))
+        routing = {k: jnp.float32(0.0) for k in STEP_METRICS} if cfg.n_experts else {}
+        head_max = None if cfg.qk_clip is None else jnp.full((cfg.n_layers, cfg.n_heads), -jnp.inf)
+        (grads, nll_sum, count, routing, head_max), _ = jax.lax.scan(
+            micro, (zeros, 0.0, 0.0, routing, head_max), (micro_batches, jnp.arange(accum))
         )
         # The objective is a sum over tokens: divide once, so accumulation equals one big batch.
         routing = {k: v / count for k, v in routing.items()}
-        return jax.tree.map(lambda g: g / count, grads), nll_sum, count, routing
+        return jax.tree.map(lambda g: g / count, grads), nll_sum, count, routing, head_max
 
     def _dropout_key(self, step: jax.Array) -> jax.Array | None:
         """The step's dropout key, derived from (seed, step); None without dropout."""
@@ -247,7 +255,7 @@ class Trainer:
 
     def _eval_step(self, params, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(nll sum, target count, count of targets predicted right) of one batch."""
-        _, (nll_sum, count, _, correct) = self._loss(params, batch, None)
+        _, (nll_sum, count, _, correct, _) = self._loss(params, batch, None)
         return nll_sum, count, correct
 
     # --- host-side helpers ------------------------------------------------------------------------
