@@ -79,11 +79,14 @@ MUP_AWAY += ("model.mup_base_n_layers=1",)
 # which this test changes, like the cosine schedule it leaves out)
 MUON = ("optim.name=muon", "optim.muon.ns=polar_express")
 OTHERS = [("optim.name=ademamix", "optim.ademamix.warmup=20"), ("optim.name=lion",), ("optim.name=adafactor",)]
+OTHERS += [("optim.name=schedule_free_adamw",)]  # its z sequence, weight sum and largest lr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "extra", [(), MUP_AWAY, MUON, *OTHERS], ids=["standard", "mup-complete-p", "muon", "ademamix", "lion", "adafactor"]
+    "extra",
+    [(), MUP_AWAY, MUON, *OTHERS],
+    ids=["standard", "mup-complete-p", "muon", "ademamix", "lion", "adafactor", "schedule-free"],
 )
 def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path, extra):
     # a schedule that does not depend on train.steps, so stopping at 30 is on the 60-step trajectory

@@ -29,6 +29,7 @@ COMPANIONS = {
     "model.depth_scaling": ["model.parametrization=mup"],  # depth scaling sits on µP's width rules
     "optim.muon.ns": ["optim.name=muon"],  # Muon's keys are refused under other optimisers
     "optim.muon.scale": ["optim.name=muon"],
+    "optim.name=schedule_free_adamw": ["optim.schedule=constant"],  # it refuses a decaying schedule
     # an objective trains its family, on text or on pairs
     "data.objective=mlm": ["model.arch=encoder"],
     "data.objective=span": ["model.arch=encoder_decoder"],

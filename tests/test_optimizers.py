@@ -1,5 +1,6 @@
 """Optimisers beside AdamW and Muon (train/optim.py): AdEMAMix's warm-up schedules in closed form
-and its step against the formula, each optimiser's refused keys in one line. Resume bit for bit of
+and its step against the formula, schedule-free AdamW against optax's and its average in closed
+form, each optimiser's refused keys in one line. Resume bit for bit of
 every optimiser is tests/test_checkpoint.py's; Muon's own tests are tests/test_muon.py."""
 
 import math
@@ -7,11 +8,13 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from transformer.config import AdEMAMixConfig, ConfigError, OptimConfig
 from transformer.config_loader import load_config
-from transformer.train.optim import ademamix_schedules, make_optimizer
+from transformer.train.optim import ademamix_schedules, make_optimizer, schedule
+from transformer.train.schedule_free import gradient_point
 
 
 def test_ademamix_warms_alpha_linearly_and_b3_linearly_in_half_life():
@@ -56,9 +59,73 @@ def test_ademamix_steps_are_the_formula():
         (["optim.name=ademamix", "optim.ademamix.b3=1.0"], "optim.ademamix.b3"),
         (["optim.name=ademamix", "optim.ademamix.warmup=0"], "optim.ademamix.warmup"),
         (["optim.name=ademamix", "model.parametrization=mup"], "optim.name"),
+        (["optim.name=schedule_free_adamw"], "optim.schedule"),  # the default schedule decays
+        (["optim.name=schedule_free_adamw", "optim.schedule=constant", "optim.b1=0"], "optim.b1"),
+        (["optim.name=schedule_free_adamw", "optim.schedule=constant", "monitor.lr_factor=0.5"], "monitor.lr_factor"),
+        (["optim.name=schedule_free_adamw", "optim.schedule=constant", "model.parametrization=mup"], "optim.name"),
     ],
 )
 def test_refusals_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert err.value.key == key, str(err.value)
+
+
+def _regression():
+    """A least-squares problem with two decayed matrices, and its loss."""
+    rng = np.random.default_rng(0)
+    data, target = jnp.asarray(rng.standard_normal((32, 6))), jnp.asarray(rng.standard_normal((32, 3)))
+    params = {
+        "w_in": jnp.asarray(rng.standard_normal((6, 5))) * 0.3,
+        "w_out": jnp.asarray(rng.standard_normal((5, 3))) * 0.3,
+    }
+
+    def loss(p):
+        return jnp.mean(jnp.square(jnp.tanh(data @ p["w_in"]) @ p["w_out"] - target))
+
+    return params, loss
+
+
+def _schedule_free_run(cfg: OptimConfig, steps: int):
+    """(x after each step, z after each step) of our schedule-free AdamW on `_regression`."""
+    params, loss = _regression()
+    tx = make_optimizer(cfg, steps, params)
+    state, xs, zs = tx.init(params), [], []
+    for _ in range(steps):
+        grads = jax.grad(loss)(gradient_point(params, state, cfg.b1))
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        xs.append(params)
+        zs.append(state.z)
+    return xs, zs
+
+
+def test_schedule_free_adamw_is_optaxs():
+    """The parameters here are optax's evaluation parameters x (optax keeps y and recovers x), step
+    after step, weight decay included."""
+    cfg = OptimConfig(
+        name="schedule_free_adamw", schedule="constant", warmup_steps=0, lr=0.05, b2=0.999, clip_norm=None
+    )
+    ours, _ = _schedule_free_run(cfg, 30)
+    params, loss = _regression()
+    tx = optax.contrib.schedule_free_adamw(cfg.lr, None, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay)
+    state = tx.init(params)
+    for step in range(30):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        params = optax.apply_updates(params, updates)
+        theirs = optax.contrib.schedule_free_eval_params(state, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours[step], theirs)
+
+
+def test_schedule_free_average_weights_each_z_by_the_squared_largest_lr():
+    """Through a warm-up, x after step t is the average of z_1..z_t weighted by the largest learning
+    rate so far squared (the paper's c_t with r = 2), and the gradients are taken at (1-b1) z + b1 x."""
+    cfg = OptimConfig(name="schedule_free_adamw", schedule="constant", warmup_steps=8, lr=0.05, clip_norm=None)
+    xs, zs = _schedule_free_run(cfg, 12)
+    lr = schedule(cfg, 12)
+    weights = np.maximum.accumulate([float(lr(t)) for t in range(12)]) ** 2
+    for t in range(12):
+        w = weights[: t + 1] / weights[: t + 1].sum()
+        for name in ("w_in", "w_out"):
+            average = sum(wi * np.asarray(z[name], np.float64) for wi, z in zip(w, zs[: t + 1]))
+            np.testing.assert_allclose(xs[t][name], average, rtol=1e-5, atol=1e-7)

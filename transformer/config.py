@@ -1007,7 +1007,7 @@ class AdEMAMixConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: Literal["adamw", "adam", "lion", "adafactor", "sgd", "muon", "ademamix"] = "adamw"
+    name: Literal["adamw", "adam", "lion", "adafactor", "sgd", "muon", "ademamix", "schedule_free_adamw"] = "adamw"
     lr: float = 3e-3
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = 50
@@ -1039,6 +1039,13 @@ class OptimConfig:
         _check(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
         _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", f"must be > 0 or null, got {self.clip_norm}")
+        if self.name == "schedule_free_adamw":
+            _check(
+                self.schedule == "constant",
+                "schedule",
+                f"schedule_free_adamw replaces the decay schedule by its average: set optim.schedule=constant (the warm-up stays), not {self.schedule}",
+            )
+            _check(self.b1 > 0, "b1", "is schedule_free_adamw's interpolation toward the average: must be in (0, 1)")
 
 
 # A vocabulary this large (GPT-2's, Llama's) makes the float32 logits of a batch (4 bytes x vocabulary
@@ -1236,6 +1243,11 @@ class Config:
         )
         if m.parametrization == "mup":
             self._check_mup_optimizer()
+        _check(  # the cooldown scales the step the parameters take, which schedule-free's is not
+            self.optim.name != "schedule_free_adamw" or self.monitor.lr_factor == 1.0,
+            "monitor.lr_factor",
+            "a rollback's cooldown scales the update of the parameters, which under schedule_free_adamw is a step of the average, not the optimiser's: leave it 1.0",
+        )
         if self.mesh.tensor > 1:
             check_tensor_split(m, self.mesh.tensor)
         if self.mesh.expert != 1:

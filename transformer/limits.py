@@ -20,9 +20,19 @@ from transformer.sharding import mesh_shape
 
 # Optimiser moments kept per parameter (Adafactor's are factored: next to nothing). SGD's momentum
 # exists only with b1 > 0; AdEMAMix keeps a slow EMA beside Adam's two; Muon keeps one momentum for
-# its matrices and AdamW's two for the rest (so at least one). A lower bound, as is everything in
+# its matrices and AdamW's two for the rest (so at least one); schedule-free AdamW keeps its z sequence
+# and Adam's second moment. A lower bound, as is everything in
 # `training_bytes`: a run is refused only when it certainly cannot fit.
-OPTIMIZER_COPIES = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 0, "muon": 1, "ademamix": 3}
+OPTIMIZER_COPIES = {
+    "adamw": 2,
+    "adam": 2,
+    "lion": 1,
+    "sgd": 1,
+    "adafactor": 0,
+    "muon": 1,
+    "ademamix": 3,
+    "schedule_free_adamw": 2,
+}
 
 
 def check_platform(cfg: Config) -> None:

@@ -11,6 +11,7 @@ import optax
 from transformer.config import ModelConfig, OptimConfig
 from transformer.model import OptimizerScaling
 from transformer.train.muon import is_matrix, scale_by_muon
+from transformer.train.schedule_free import schedule_free
 
 # Norm gains and biases are never decayed: pulling them toward zero shrinks nothing useful.
 NO_DECAY_NAMES = ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias")
@@ -120,6 +121,8 @@ def make_optimizer(
     if cfg.name == "muon":
         assert model is not None, "Muon reads its matrices' layouts from the model config"
         opt = _muon(cfg, lr, total_steps, params, scaling, model)
+    elif cfg.name == "schedule_free_adamw":  # µP is refused with it (config.Config)
+        opt = _schedule_free_adamw(cfg, lr, mask)
     elif scaling is not None:
         # the Adam family written out as optax writes adamw, adam and lion, with the per-parameter
         # multipliers between normalising the step and scaling it by the learning rate
@@ -188,6 +191,18 @@ def _standard(cfg: OptimConfig, lr, mask: dict, total_steps: int) -> optax.Gradi
             return optax.chain(
                 optax.add_decayed_weights(cfg.weight_decay, mask), optax.sgd(lr, momentum=cfg.b1 or None)
             )
+
+
+def _schedule_free_adamw(cfg: OptimConfig, lr, mask: dict) -> optax.GradientTransformation:
+    """Schedule-free AdamW (train/schedule_free.py): its base is AdamW without momentum (b1 is the
+    interpolation instead), as optax's `contrib.schedule_free_adamw` and the paper's code have it,
+    with this framework's decay mask, at the warm-up-then-constant learning rate."""
+    base = optax.chain(
+        optax.scale_by_rms(decay=cfg.b2, eps=cfg.eps, eps_in_sqrt=False, bias_correction=True),
+        optax.add_decayed_weights(cfg.weight_decay, mask),
+        optax.scale_by_learning_rate(lr),
+    )
+    return schedule_free(base, lr, cfg.b1)
 
 
 def _muon(

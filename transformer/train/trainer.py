@@ -25,6 +25,7 @@ from transformer.config import Config
 from transformer.model import STEP_METRICS, Transformer, clip_qk, layer_slots, optimizer_scaling, placing
 from transformer.train import loss
 from transformer.train.optim import make_optimizer, schedule
+from transformer.train.schedule_free import gradient_point
 
 
 def model_inputs(batch: dict) -> tuple:
@@ -220,12 +221,15 @@ class Trainer:
         cfg = self.cfg.model
         step_key = self._dropout_key(state.step)
         grad_fn = jax.grad(self._loss, has_aux=True)
+        point = state.params
+        if self.cfg.optim.name == "schedule_free_adamw":  # gradients at y, between z and the average x
+            point = gradient_point(state.params, state.opt_state, self.cfg.optim.b1)
 
         def micro(carry, xs):
             grads, nll_sum, count, routing, head_max = carry
             micro_batch, index = xs
             key = None if step_key is None else jax.random.fold_in(step_key, index)
-            g, (n, c, r, _, m) = grad_fn(state.params, micro_batch, key)
+            g, (n, c, r, _, m) = grad_fn(point, micro_batch, key)
             routing = {k: routing[k] + c * r[k] for k in routing}
             head_max = None if head_max is None else jnp.maximum(head_max, m)
             return (jax.tree.map(jnp.add, grads, g), nll_sum + n, count + c, routing, head_max), None
