@@ -13,6 +13,7 @@ from conftest import ROOT, logged, read_events
 
 from transformer.config_loader import from_dict
 from transformer.report import build, lr_sensitivity, mean_std
+from transformer.report.paired import comparisons
 from transformer.report.render import write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -262,13 +263,14 @@ def test_report_of_a_real_sweep_matches_its_runs(tiny_sweep):
 
 def test_verdict_pairs_across_keys_zipped_with_the_compared_label(tmp_path):
     """`attention: [mha, mqa]` zipped with n_kv_heads [4, 1]: n_kv_heads never matches across levels,
-    so the cells are paired by the other keys and the seed alone."""
+    so the cells are paired by the other keys and the seed alone, in the verdict and in the paired
+    differences."""
     members = []
-    for attention, kv, spikes in (("mha", 4, 0), ("mqa", 1, 3)):
+    for attention, kv, spikes, final in (("mha", 4, 0, 2.0), ("mqa", 1, 3, 2.5)):
         for task in ("a", "b"):
             for seed in (0, 1):
                 name = f"{attention}-{task}-s{seed}"
-                fake_run(tmp_path, name, seed=seed, losses=[5.0, 2.0], events=[("spike", 1)] * spikes)
+                fake_run(tmp_path, name, seed=seed, losses=[5.0, final], events=[("spike", 1)] * spikes)
                 members.append(
                     {
                         "name": name,
@@ -285,8 +287,12 @@ def test_verdict_pairs_across_keys_zipped_with_the_compared_label(tmp_path):
         "members": members,
     }
     (tmp_path / "sweep.json").write_text(json.dumps(manifest))
-    verdict = build(tmp_path).verdict()
+    report = build(tmp_path)
+    verdict = report.verdict()
     assert verdict.startswith("mha was more stable than mqa") and "in all 4 paired settings" in verdict, verdict
+    (paired,) = comparisons(report)
+    assert (paired.level, paired.base, paired.final.n) == ("mqa", "mha", 4)
+    assert paired.final.mean == pytest.approx(0.5)
 
 
 # --- learning-rate transfer --------------------------------------------------------------------------

@@ -23,7 +23,17 @@ import math
 
 import numpy as np
 
-from transformer.report.stats import BUDGET_TAIL, Report, Run, _hashable, _loss_at_budget, format_value, short_key, t95
+from transformer.report.stats import (
+    BUDGET_TAIL,
+    Report,
+    Run,
+    _hashable,
+    _loss_at_budget,
+    format_value,
+    independent_keys,
+    short_key,
+    t95,
+)
 
 PAIRED_NOTE = (
     "Each level against the first, paired by seed and by every other varied key: Δ = level − first, in nats of "
@@ -149,7 +159,7 @@ class Paired:
 
 def _cells(report: Report) -> dict[object, dict[tuple, Run]]:
     """{level of the compared key: {(every other varied key's value..., seed): finished run}}."""
-    others = [k for k in report.keys if k != report.compare]
+    others = independent_keys(report, report.compare)
     out: dict[object, dict[tuple, Run]] = {}
     for run in report.finished(report.runs):
         cell = (*(_hashable(run.values.get(k)) for k in others), run.seed)
@@ -190,7 +200,7 @@ def comparisons(report: Report) -> list[Comparison]:
         return []
     base = cells[order[0]]
     # a ladder's pairs also rung by rung: whether a difference holds is a question of scale
-    others = [k for k in report.keys if k != report.compare]
+    others = independent_keys(report, report.compare)
     at = others.index("rung") if "rung" in others else None
     rungs = list(dict.fromkeys(c[at] for c in base)) if at is not None else []
     out = []

@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from transformer.report.stats import Report, Run, _hashable, format_value
+from transformer.report.stats import Report, Run, _hashable, format_value, independent_keys
 
 DRAWS = 1000
 ALPHAS = np.geomspace(1e-3, 3.0, 300)
@@ -154,7 +154,7 @@ def ladder_curves(report: Report) -> dict[tuple, dict[object, Curve]]:
     """{setting of the keys a ladder does not set: {level of the compared key: Curve}}, each rung's
     (budget's) point at its best learning rate (and size) by mean final loss over seeds."""
     group_key = "budget" if "budget" in report.keys else "rung"
-    others = [k for k in report.keys if k not in (*LADDER_LABELS, *RUNG_KEYS, report.compare)]
+    others = independent_keys(report, report.compare, (*LADDER_LABELS, *RUNG_KEYS))
     cells: dict[tuple, dict[object, dict[str, dict[tuple, list[Run]]]]] = {}
     for run in report.finished(report.runs):
         setting = tuple(_hashable(run.values.get(k)) for k in others)
@@ -379,7 +379,7 @@ def ladder_summary(report: Report, draws: int = DRAWS) -> LadderSummary | None:
     """The scaling section of a ladder's report (None for any other sweep)."""
     if not is_ladder(report):
         return None
-    others = [k for k in report.keys if k not in (*LADDER_LABELS, *RUNG_KEYS, report.compare)]
+    others = independent_keys(report, report.compare, (*LADDER_LABELS, *RUNG_KEYS))
     header = [k.rsplit(".", 1)[-1] for k in others] + [report.compare.rsplit(".", 1)[-1], "at", "compute (FLOPs)"]
     header += ["loss", "compute-equivalent gain (95% CI)"]
     out = LadderSummary([], header, [], {}, ladder_curves(report), [])

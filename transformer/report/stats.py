@@ -370,7 +370,7 @@ class Report:
         key = self.compare
         if not key:
             return "Nothing varies between these runs, so there is no comparison to make."
-        others = _independent_keys(self, key)
+        others = independent_keys(self, key, (LR_KEY,))
         if LR_KEY in self.keys and key != LR_KEY:
             measure, unit, cells = "LR sensitivity", "nats", _sensitivity_cells(self, key, others)
         else:
@@ -405,13 +405,14 @@ def build(directory: Path, by: str | None = None) -> Report:
 Cells = dict[Hashable, dict[tuple, float]]  # level of the compared key -> {paired cell: instability}
 
 
-def _independent_keys(report: Report, key: str) -> list[str]:
-    """The varied keys that define paired cells for comparing levels of `key`: not the learning
-    rate (the sensitivity spans it), and not keys tied to `key` (zipped with it, such as the
-    n_kv_heads of an `attention: [mha, mqa]` label), which never match across its levels."""
+def independent_keys(report: Report, key: str, without: tuple[str, ...] = ()) -> list[str]:
+    """The varied keys that pair runs across the levels of `key` (besides the seed): not `key`, not
+    those in `without` (the learning rate, where a measure spans it), and not keys tied to `key`
+    (zipped with it, such as the n_kv_heads of an `attention: [mha, mqa]` label, or the qk_norm of an
+    `intervention` label), which never match across its levels."""
     out = []
     for k in report.keys:
-        if k in (key, LR_KEY):
+        if k == key or k in without:
             continue
         within: dict[Any, set] = {}
         for run in report.runs:

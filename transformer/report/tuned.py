@@ -18,7 +18,16 @@ import math
 
 import numpy as np
 
-from transformer.report.stats import LR_KEY, Report, Run, _hashable, format_value, mean_interval, short_key
+from transformer.report.stats import (
+    LR_KEY,
+    Report,
+    Run,
+    _hashable,
+    format_value,
+    independent_keys,
+    mean_interval,
+    short_key,
+)
 
 SMOOTHING = 0.05  # the training loss is averaged over a trailing window of this share of a run's steps
 TUNED_NOTE = (
@@ -42,7 +51,7 @@ def _smoothed(run: Run) -> tuple[np.ndarray, np.ndarray]:
 
 def _cells(report: Report) -> dict[tuple, dict]:
     """{setting of the other varied keys: {level: {lr: [finished runs]}}}."""
-    others = [k for k in report.keys if k not in (LR_KEY, report.compare)]
+    others = independent_keys(report, report.compare, (LR_KEY,))
     out: dict[tuple, dict] = {}
     for run in report.finished(report.runs):
         setting = tuple(_hashable(run.values.get(k)) for k in others)
@@ -81,7 +90,7 @@ def tuned_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     """Header and rows (`TUNED_NOTE`); no rows unless the report varies the learning rate and
     another key it compares. Without a finished run of the first level in a setting, its other
     levels' differences and steps are "–"."""
-    others = [k for k in report.keys if k not in (LR_KEY, report.compare)]
+    others = independent_keys(report, report.compare, (LR_KEY,))
     header = [short_key(k) for k in [*others, report.compare]] + ["best lr", "final loss (95% CI)"]
     header += ["Δ vs first (95% CI)", "steps to reach first's final loss", "speedup"]
     if LR_KEY not in report.keys or report.compare in ("", LR_KEY):
