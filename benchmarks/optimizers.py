@@ -8,7 +8,9 @@ The second form runs nothing: it compiles each optimiser's train step on the mes
 the collectives in it (what sharded Newton-Schulz gathers and reduces, beside AdamW's step).
 
 Optimisers (on the preset's model, otherwise its config): AdamW, Lion, AdEMAMix, Muon with Jordan's
-Newton-Schulz, Muon with Polar Express. Each is a whole train step (forward, backward, clipping,
+Newton-Schulz, Muon with Polar Express, MuonClip (Muon with QK-clip), AdamW with QK-clip (the clip's
+own cost: the step's extra q.k pass for each head's largest logit, and the rescale), SOAP,
+schedule-free AdamW. Each is a whole train step (forward, backward, clipping,
 the optimiser), timed interleaved (round r times every optimiser in turn, `--steps` steps each, after
 one compiled warm-up step) so load from other processes falls on all alike; the figure is the median
 over rounds of each one's median step, divided by AdamW's. Memory: the optimiser state's bytes and
@@ -44,6 +46,10 @@ OPTIMIZERS = {
     "ademamix": ["optim.name=ademamix"],
     "muon (jordan)": ["optim.name=muon"],
     "muon (polar express)": ["optim.name=muon", "optim.muon.ns=polar_express"],
+    "muonclip (muon + qk-clip 100)": ["optim.name=muon", "model.qk_clip=100"],
+    "adamw + qk-clip 100": ["model.qk_clip=100"],
+    "soap": ["optim.name=soap"],
+    "schedule-free adamw": ["optim.name=schedule_free_adamw", "optim.schedule=constant"],
 }
 
 

@@ -30,6 +30,7 @@ COMPANIONS = {
     "optim.muon.ns": ["optim.name=muon"],  # Muon's keys are refused under other optimisers
     "optim.muon.scale": ["optim.name=muon"],
     "optim.name=schedule_free_adamw": ["optim.schedule=constant"],  # it refuses a decaying schedule
+    "optim.soap.precondition_every": ["optim.name=soap"],  # SOAP's keys are refused under other optimisers
     # an objective trains its family, on text or on pairs
     "data.objective=mlm": ["model.arch=encoder"],
     "data.objective=span": ["model.arch=encoder_decoder"],

@@ -1006,8 +1006,25 @@ class AdEMAMixConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SoapConfig:
+    """SOAP (`optim.name: soap`, transformer/train/soap.py; Vyas et al. 2024, arXiv 2409.11321): Adam in
+    the eigenbasis of Shampoo's factors for the hidden matrices, AdamW for the rest, both at optim.lr
+    with optim.b1 and b2 (the paper's 0.95 and 0.95; its factors decay at b2 too)."""
+
+    precondition_every: int = 10  # steps between refreshes of the eigenbases (the paper's f)
+    max_precond_dim: int = 10000  # a side longer than this is not rotated (one-sided SOAP)
+
+    def __post_init__(self):
+        _check_ints(self)
+        for name in ("precondition_every", "max_precond_dim"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: Literal["adamw", "adam", "lion", "adafactor", "sgd", "muon", "ademamix", "schedule_free_adamw"] = "adamw"
+    name: Literal["adamw", "adam", "lion", "adafactor", "sgd", "muon", "ademamix", "schedule_free_adamw", "soap"] = (
+        "adamw"
+    )
     lr: float = 3e-3
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = 50
@@ -1021,10 +1038,11 @@ class OptimConfig:
     clip_norm: float | None = 1.0
     muon: MuonConfig = MuonConfig()
     ademamix: AdEMAMixConfig = AdEMAMixConfig()
+    soap: SoapConfig = SoapConfig()
 
     def __post_init__(self):
         _check_ints(self)
-        for section, default in (("muon", MuonConfig()), ("ademamix", AdEMAMixConfig())):
+        for section, default in (("muon", MuonConfig()), ("ademamix", AdEMAMixConfig()), ("soap", SoapConfig())):
             _check(
                 self.name == section or getattr(self, section) == default,
                 section,

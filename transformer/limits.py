@@ -21,8 +21,9 @@ from transformer.sharding import mesh_shape
 # Optimiser moments kept per parameter (Adafactor's are factored: next to nothing). SGD's momentum
 # exists only with b1 > 0; AdEMAMix keeps a slow EMA beside Adam's two; Muon keeps one momentum for
 # its matrices and AdamW's two for the rest (so at least one); schedule-free AdamW keeps its z sequence
-# and Adam's second moment. A lower bound, as is everything in
-# `training_bytes`: a run is refused only when it certainly cannot fit.
+# and Adam's second moment; SOAP Adam's two (its Shampoo factors and bases are per matrix side, not
+# counted). A lower bound, as is everything in `training_bytes`: a run is refused only when it
+# certainly cannot fit.
 OPTIMIZER_COPIES = {
     "adamw": 2,
     "adam": 2,
@@ -32,6 +33,7 @@ OPTIMIZER_COPIES = {
     "muon": 1,
     "ademamix": 3,
     "schedule_free_adamw": 2,
+    "soap": 2,
 }
 
 

@@ -4,9 +4,12 @@ those above it in this list (or none of them):
 - `loss.py`: the objective, float32 cross-entropy and z-loss, plain or chunked over positions;
 - `muon.py`: Muon's step for the hidden matrices (momentum, Newton-Schulz orthogonalisation of
   each layer's, expert's and fused projection's matrix, the shape scale);
+- `soap.py`: SOAP's step for the hidden matrices (Adam in the eigenbases of each matrix's Shampoo
+  factors, refreshed by power iteration and QR);
 - `schedule_free.py`: schedule-free AdamW's averaging, with the average as the parameters and
   the gradients taken at the interpolation (`gradient_point`);
-- `optim.py`: the optax chain (schedule, optimiser, weight-decay mask, clipping; Muon's two groups);
+- `optim.py`: the optax chain (schedule, optimiser, weight-decay mask, clipping; Muon's and SOAP's
+  two groups);
 - `trainer.py`: the train state and the jitted init, train, eval and stats steps (`Trainer`);
 - `validation.py`: validation on the host, each source's windows through the eval step;
 - `preflight.py`: the train step compiled ahead of time (local devices or a TPU topology), its

@@ -101,20 +101,30 @@ def layout(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> MatrixLayout 
 
 def orthogonal_update(u: jax.Array, lay: MatrixLayout, cfg: MuonConfig) -> jax.Array:
     """`u` (a parameter's momentum) with each of its matrices orthogonalised and shape-scaled."""
-    pieces = [u] if lay.split_axis is None else jnp.split(u, list(_offsets(lay.parts)), axis=lay.split_axis)
     out = []
-    for piece in pieces:
-        batch = math.prod(piece.shape[: lay.lead])
-        fan_in = math.prod(piece.shape[lay.lead : lay.lead + lay.fan_in_axes])
-        fan_out = piece.size // (batch * fan_in)
-        o = newton_schulz(piece.reshape(batch, fan_in, fan_out), cfg)
-        out.append((o * shape_scale(fan_in, fan_out, cfg.scale)).reshape(piece.shape).astype(u.dtype))
-    return out[0] if lay.split_axis is None else jnp.concatenate(out, axis=lay.split_axis)
+    for piece in pieces(u, lay):
+        o = newton_schulz(as_matrices(piece, lay), cfg)
+        out.append((o * shape_scale(o.shape[1], o.shape[2], cfg.scale)).reshape(piece.shape).astype(u.dtype))
+    return joined(out, lay)
 
 
-def _offsets(parts: tuple[int, ...]) -> list[int]:
-    """Where jnp.split cuts an axis of these part sizes."""
-    return [sum(parts[: i + 1]) for i in range(len(parts) - 1)]
+def pieces(u: jax.Array, lay: MatrixLayout) -> list[jax.Array]:
+    """A parameter-shaped array cut into the projections its fused axis holds (itself if none)."""
+    if lay.split_axis is None:
+        return [u]
+    return jnp.split(u, [sum(lay.parts[: i + 1]) for i in range(len(lay.parts) - 1)], axis=lay.split_axis)
+
+
+def joined(parts: list[jax.Array], lay: MatrixLayout) -> jax.Array:
+    """`pieces`' inverse."""
+    return parts[0] if lay.split_axis is None else jnp.concatenate(parts, axis=lay.split_axis)
+
+
+def as_matrices(piece: jax.Array, lay: MatrixLayout) -> jax.Array:
+    """One piece as its batch of [fan_in, fan_out] matrices (the layers' and experts' on a leading axis)."""
+    batch = math.prod(piece.shape[: lay.lead])
+    fan_in = math.prod(piece.shape[lay.lead : lay.lead + lay.fan_in_axes])
+    return piece.reshape(batch, fan_in, piece.size // (batch * fan_in))
 
 
 class MuonState(NamedTuple):

@@ -12,6 +12,7 @@ from transformer.config import ModelConfig, OptimConfig
 from transformer.model import OptimizerScaling
 from transformer.train.muon import is_matrix, scale_by_muon
 from transformer.train.schedule_free import schedule_free
+from transformer.train.soap import scale_by_soap
 
 # Norm gains and biases are never decayed: pulling them toward zero shrinks nothing useful.
 NO_DECAY_NAMES = ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias")
@@ -123,6 +124,9 @@ def make_optimizer(
         opt = _muon(cfg, lr, total_steps, params, scaling, model)
     elif cfg.name == "schedule_free_adamw":  # µP is refused with it (config.Config)
         opt = _schedule_free_adamw(cfg, lr, mask)
+    elif cfg.name == "soap":  # µP is refused with it too
+        assert model is not None, "SOAP reads its matrices' layouts from the model config"
+        opt = _soap(cfg, lr, params, model)
     elif scaling is not None:
         # the Adam family written out as optax writes adamw, adam and lion, with the per-parameter
         # multipliers between normalising the step and scaling it by the learning rate
@@ -203,6 +207,25 @@ def _schedule_free_adamw(cfg: OptimConfig, lr, mask: dict) -> optax.GradientTran
         optax.scale_by_learning_rate(lr),
     )
     return schedule_free(base, lr, cfg.b1)
+
+
+def _soap(cfg: OptimConfig, lr, params: dict, model: ModelConfig) -> optax.GradientTransformation:
+    """SOAP on the hidden matrices (train/soap.py) with decoupled decay lr * wd * W, AdamW on the rest
+    (Muon's two groups), both at optim.lr with optim.b1, b2 and eps, on the same schedule."""
+    groups = {
+        "soap": optax.chain(
+            scale_by_soap(cfg, model), optax.add_decayed_weights(cfg.weight_decay), optax.scale_by_learning_rate(lr)
+        ),
+        "adamw": optax.adamw(
+            lr,
+            cfg.b1,
+            cfg.b2,
+            cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=lambda p: decay_mask(p, cfg.decay_embeddings),
+        ),
+    }
+    return optax.partition(groups, jax.tree.map(lambda m: "soap" if m else "adamw", is_matrix(model, params)))
 
 
 def _muon(
