@@ -81,13 +81,14 @@ MUON = ("optim.name=muon", "optim.muon.ns=polar_express")
 OTHERS = [("optim.name=ademamix", "optim.ademamix.warmup=20"), ("optim.name=lion",), ("optim.name=adafactor",)]
 OTHERS += [("optim.name=schedule_free_adamw",)]  # its z sequence, weight sum and largest lr
 OTHERS += [("optim.name=soap", "optim.soap.precondition_every=7")]  # factors and bases, refreshed across the stop
+OTHERS += [("optim.name=muon", "model.qk_clip=0.03")]  # MuonClip, the clip acting in most steps (logits ~0.06)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [(), MUP_AWAY, MUON, *OTHERS],
-    ids=["standard", "mup-complete-p", "muon", "ademamix", "lion", "adafactor", "schedule-free", "soap"],
+    ids=["standard", "mup-complete-p", "muon", "ademamix", "lion", "adafactor", "schedule-free", "soap", "muonclip"],
 )
 def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path, extra):
     # a schedule that does not depend on train.steps, so stopping at 30 is on the 60-step trajectory

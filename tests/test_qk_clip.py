@@ -1,6 +1,8 @@
 """QK-clip (model/qk_clip.py, `model.qk_clip`): the per-head largest logit against numpy, the clip
 bringing exactly the heads above the threshold down to it and leaving the others' logits as they
-were, for every attention layout; the train step applying it after the update; the refusals."""
+were, for every attention layout; the train step applying it after the update; the refusals. Also
+the step's other per-layer statistics against their direct computation (its resume bit for bit is
+tests/test_checkpoint.py's)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from flax import nnx
 from transformer import sharding
 from transformer.config import ConfigError
 from transformer.config_loader import load_config
-from transformer.model import clip_qk
+from transformer.model import clip_qk, layer_slots
 from transformer.model.attention import Keys, attention_mask, head_logit_max
 from transformer.model.qk_clip import clip_factors
 from transformer.train import Trainer
@@ -186,3 +188,24 @@ def test_the_step_clips_after_the_update_from_its_own_forward_pass():
             assert metrics["qk_clipped_heads"] == int(count) == int(np.sum(head_max > threshold)) > 0
         assert metrics["qk_max_logit"] == pytest.approx(float(head_max.max()), rel=1e-6)
         jax.tree.map(np.testing.assert_array_equal, stepped.params, expected)
+
+
+def test_the_steps_per_layer_statistics_are_their_direct_computations():
+    """`update_ratio` [L] is each layer's update norm over its parameter norm before the step, and
+    `grad_norm_attn` / `grad_norm_ffn` each layer's gradient norms, computed here from the step's
+    own parameters and gradients (in layer order across the dense and MoE stacks)."""
+    trainer = _trainer("model.n_layers=4", "model.n_experts=2", "model.moe_every=2", "monitor.stats_every=1")
+    batch = _batch(trainer)
+    grads = jax.device_get(trainer.gradients(trainer.initial_state(), batch)[0])
+    before = jax.device_get(trainer.initial_state().params)
+    after, metrics = trainer.train_step(trainer.initial_state(), batch, default_controls())
+    after = jax.device_get(after.params)
+
+    def norm(tree, j):
+        return np.sqrt(sum(np.sum(np.square(np.asarray(x[j], np.float64))) for x in jax.tree.leaves(tree)))
+
+    for i, (stack, j) in enumerate(layer_slots(trainer.cfg.model)):
+        update = jax.tree.map(lambda a, b: a - b, after[stack], before[stack])
+        assert float(metrics["update_ratio"][i]) == pytest.approx(norm(update, j) / norm(before[stack], j), rel=1e-4)
+        for part in ("attn", "ffn"):
+            assert float(metrics[f"grad_norm_{part}"][i]) == pytest.approx(norm(grads[stack][part], j), rel=1e-5)
