@@ -63,6 +63,10 @@ def test_ademamix_steps_are_the_formula():
         (["optim.name=schedule_free_adamw", "optim.schedule=constant", "optim.b1=0"], "optim.b1"),
         (["optim.name=schedule_free_adamw", "optim.schedule=constant", "monitor.lr_factor=0.5"], "monitor.lr_factor"),
         (["optim.name=schedule_free_adamw", "optim.schedule=constant", "model.parametrization=mup"], "optim.name"),
+        (["optim.soap.precondition_every=5"], "optim.soap"),
+        (["optim.name=soap", "optim.soap.precondition_every=0"], "optim.soap.precondition_every"),
+        (["optim.name=soap", "optim.soap.max_precond_dim=0"], "optim.soap.max_precond_dim"),
+        (["optim.name=soap", "model.parametrization=mup"], "optim.name"),
     ],
 )
 def test_refusals_name_the_key(overrides, key):

@@ -1,7 +1,7 @@
 """SOAP (train/soap.py): its steps against a float64 numpy implementation of the paper's algorithm
 (two-sided and one-sided), each layer's and each fused projection's matrix preconditioned on its
-own, and one line for the keys it refuses. Resume bit for bit is tests/test_checkpoint.py's, the
-mesh equality tests/test_trainer.py's."""
+own. Its refusals are tests/test_optimizers.py's, resume bit for bit tests/test_checkpoint.py's,
+the agreement across meshes tests/test_trainer.py's."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from conftest import tiny
 
-from transformer.config import ConfigError, OptimConfig, SoapConfig
-from transformer.config_loader import load_config
+from transformer.config import OptimConfig, SoapConfig
 from transformer.train.soap import scale_by_soap
 
 
@@ -102,18 +101,3 @@ def test_each_layer_and_each_fused_projection_is_preconditioned_alone():
                 np.testing.assert_allclose(
                     got[layer, :, :, lo:hi].reshape(want[0].shape), want[0], rtol=1e-5, atol=1e-6
                 )
-
-
-@pytest.mark.parametrize(
-    "overrides,key",
-    [
-        (["optim.soap.precondition_every=5"], "optim.soap"),
-        (["optim.name=soap", "optim.soap.precondition_every=0"], "optim.soap.precondition_every"),
-        (["optim.name=soap", "optim.soap.max_precond_dim=0"], "optim.soap.max_precond_dim"),
-        (["optim.name=soap", "model.parametrization=mup"], "optim.name"),
-    ],
-)
-def test_refusals_name_the_key(overrides, key):
-    with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
-    assert err.value.key == key, str(err.value)
