@@ -551,6 +551,42 @@ def test_failed_save_names_its_step_is_journaled_and_exits_at_once(corpus, cache
     assert (workdir / "checkpoints" / "5").is_dir()
 
 
+# a full disk without root: writes past the limit fail with EFBIG (SIGXFSZ ignored), in train.py's
+# own process (the limit and the ignored signal survive exec)
+LIMITED_TRAIN = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+os.execv(sys.executable, [sys.executable, "train.py", *sys.argv[2:]])
+"""
+
+
+@pytest.mark.slow
+def test_a_save_that_runs_out_of_space_is_one_line(corpus, cache, ten, tmp_path):
+    """The writes of a failed tensorstore save that were still in flight hand their results to a loop
+    orbax has closed (dozens of 'Event loop is closed' tracebacks) and leave tasks whose errors nobody
+    retrieves: none of it may reach the user around the one line that reports the failure, and that
+    line names the error without tensorstore's 2,000-character spec."""
+    del ten  # its run fills the token cache: the subprocess's stderr then holds only what the run says
+    workdir = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    argv = [*args(corpus, cache, *SHORT, "checkpoint.every=1", "train.steps=6"), "--workdir", str(workdir)]
+    out = subprocess.run(
+        [sys.executable, "-c", LIMITED_TRAIN, "100000", *argv],  # bytes: less than the optimiser state
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert "train.py: error: checkpoint: saving the checkpoint of step" in lines[0]
+    assert "tensorstore_spec" not in lines[0] and len(lines[0]) < 1000, lines[0]
+
+
 def test_a_failed_async_write_is_reported_for_its_own_step(tmp_path, monkeypatch):
     """A write that fails in orbax's background thread (a full disk) surfaces at the next save or
     wait, named for the step it belonged to, not for the step that found it."""

@@ -143,6 +143,33 @@ def test_eval_cli_end_to_end(trained):
     assert out.stdout.startswith("step 20 on files:") and "bits per byte" in out.stdout
 
 
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_one_line_and_eval_falls_back(trained, tmp_path):
+    """The newest checkpoint's data files gone: one line naming the step and the missing file (not
+    tensorstore's JSON spec of the store, nor asyncio's tracebacks of the abandoned reads), and the
+    evaluation of the one before it."""
+    import shutil
+
+    workdir = tmp_path / "run"
+    shutil.copytree(trained[0], workdir)
+    shutil.rmtree(workdir / "checkpoints" / "20" / "state" / "d")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "eval.py", "--workdir", str(workdir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("step 10 on files:")
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("eval.py: the checkpoint of step 20 is damaged") and "state/d/" in lines[0]
+    assert "tensorstore_spec" not in lines[0], lines[0]
+
+
 # --- a mixture run (issue 16) --------------------------------------------------------------------
 
 MIXTURE_VAL_WINDOWS, MIXTURE_SEQ_LEN, MIXTURE_BATCH = 5, 16, 4

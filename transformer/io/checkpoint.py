@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -150,6 +151,7 @@ class Checkpointer:
 
     def _fail(self, step: int | None, e: Exception) -> NoReturn:
         newest = max((s for s in self.steps() if s != step), default=None)
+        _quiet_abandoned_io()
         self.failed = SaveFailed(step, first_line(e, with_type=True), newest)
         raise self.failed from None
 
@@ -169,6 +171,7 @@ class Checkpointer:
             try:
                 restored = self._restore_verified(s, abstract_state)
             except Exception as e:
+                _quiet_abandoned_io()
                 why = first_line(e, with_type=True)
                 problems.append(f"step {s}: {why}")
                 bad.append(s)
@@ -205,6 +208,7 @@ class Checkpointer:
             try:
                 return s, self._restore_params_verified(s, target)
             except Exception as e:
+                _quiet_abandoned_io()
                 why = first_line(e, with_type=True)
                 if step is not None:
                     raise CheckpointError(f"the checkpoint of step {s} in {self.directory} is damaged: {why}") from None
@@ -267,20 +271,51 @@ class _OrbaxErrors(logging.Filter):
     """orbax logs each failure of its writer threads with a traceback (hundreds of lines, through
     absl) before the same error reaches `Checkpointer.wait`, which reports it in one line (and the
     run journals it): those records are dropped, and so are the warnings that every read-only open
-    gives (eval.py's). orbax's other warnings pass."""
+    gives (eval.py's), and those of each save without a validation loss (orbax is given `best_fn` only
+    to keep the metrics it has). orbax's other warnings pass."""
 
-    READ_ONLY = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
+    EXPECTED = ("CheckpointManagerOptions.read_only=True", "Given directory is read only", "Requested `tracked_metric`")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "orbax" not in record.pathname:
             return True
-        return record.levelno < logging.ERROR and not str(record.msg).startswith(self.READ_ONLY)
+        return record.levelno < logging.ERROR and not str(record.msg).startswith(self.EXPECTED)
+
+
+class _AbandonedIO(logging.Filter):
+    """A failed save or restore leaves asyncio tasks and futures of its other writes or reads whose
+    errors nobody retrieves: asyncio logs each (a traceback of the same error) when it is collected,
+    after the line that reported the failure. Dropped once a save or a restore has failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        headline = str(record.msg).split("\n", 1)[0]  # "Task/Future/_GatheringFuture exception was ..."
+        return not headline.endswith("exception was never retrieved")
+
+
+def _closed_loop_callbacks(unraisable) -> None:
+    """tensorstore hands each write's completion to the save's event loop from its own threads; when a
+    write fails, orbax closes that loop while the other writes still finish, and every late hand-off
+    is an unraisable 'Event loop is closed' (a 5-line traceback each, dozens on a full disk), printed
+    before the save's own error. Those are dropped; any other unraisable goes where it went."""
+    exc = unraisable.exc_value
+    if unraisable.object is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return
+    _closed_loop_callbacks.previous(unraisable)  # type: ignore[attr-defined]
 
 
 def _quiet_orbax() -> None:
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _OrbaxErrors) for f in absl.filters):
         absl.addFilter(_OrbaxErrors())
+    if sys.unraisablehook is not _closed_loop_callbacks:
+        _closed_loop_callbacks.previous = sys.unraisablehook  # type: ignore[attr-defined]
+        sys.unraisablehook = _closed_loop_callbacks
+
+
+def _quiet_abandoned_io() -> None:
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedIO) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedIO())
 
 
 # --- checksums ------------------------------------------------------------------------------------
