@@ -1,5 +1,6 @@
 """Loss-spike monitoring and recovery: detection, skip, rollback, non-finite steps, fault records."""
 
+import itertools
 import json
 import math
 import os
@@ -294,7 +295,8 @@ def test_consecutive_nonfinite_steps_stop_the_run(corpus, cache, tmp_path):
 @pytest.mark.slow
 def test_recovery_records_survive_a_kill(corpus, cache, tmp_path):
     """Killed after a rollback: the resumed run does not fire the fault again, keeps the skipped
-    batches, and ends where an unkilled run with the same rollback ends."""
+    batches, ends where an unkilled run with the same rollback ends, and its metrics are the
+    unkilled run's, row for row: the abandoned trajectory's rows (its anomalous step's) included."""
     extra = (
         "train.steps=70",
         "faults.lr_step=40",
@@ -329,6 +331,10 @@ def test_recovery_records_survive_a_kill(corpus, cache, tmp_path):
     assert len(events(workdir, "rollback")) == len(events(straight, "rollback")) == 1
     got, want = final_losses(workdir), final_losses(straight)
     assert {s: got[s] for s in range(41, 71)} == {s: want[s] for s in range(41, 71)}
+    rows = [[(r["step"], r["loss"]) for r in rundir.read_metrics(w) if "loss" in r] for w in (workdir, straight)]
+    assert rows[0] == rows[1]
+    steps = [s for s, _ in rows[1]]
+    assert any(b < a for a, b in itertools.pairwise(steps))  # the abandoned rows are there, before the rollback
 
 
 # --- false spikes on clean data (issue 18, "Monitor") ---------------------------------------------

@@ -31,6 +31,15 @@ def test_readers_skip_a_torn_line_and_truncate_drops_later_steps(tmp_path):
     assert rundir.truncate_metrics(tmp_path, 0) == 1 and (tmp_path / rundir.METRICS).read_text() == ""
 
 
+def test_truncate_keeps_the_rows_of_trajectories_rollbacks_abandoned(tmp_path):
+    """Steps 1-3, a rollback to step 1 (the file was `history` bytes then), steps 2-3 again, a torn
+    line: a resume from step 2 keeps the abandoned rows 2 and 3 and drops only what comes after."""
+    before = '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    (tmp_path / rundir.METRICS).write_text(before + '{"step": 2}\n{"step": 3}\n{"step": 4, "lo')
+    assert rundir.truncate_metrics(tmp_path, 2, history=len(before)) == 2
+    assert (tmp_path / rundir.METRICS).read_text() == before + '{"step": 2}\n'
+
+
 def test_status_follows_the_events():
     assert rundir.run_status([]) == "pending"
     assert rundir.run_status([{"event": "start"}]) == "interrupted"

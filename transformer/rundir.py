@@ -195,17 +195,20 @@ def status(workdir: Path, steps: int | None = None) -> str:
     return run_status(read_events(workdir), steps)
 
 
-def truncate_metrics(workdir: Path, step: int) -> int:
+def truncate_metrics(workdir: Path, step: int, history: int = 0) -> int:
     """Drop metrics logged after `step` (a resumed run logs them again; 0: all of them), and torn
-    lines; returns how many lines went."""
+    lines; returns how many lines went. The first `history` bytes (the file as it was at the last
+    rollback: `RunWriter.metrics_size`) hold the trajectories rollbacks abandoned, steps past `step`
+    included, which no resumed run logs again: they stay, as an uninterrupted run keeps them."""
     path = workdir / METRICS
     if not path.exists():
         return 0
-    lines = path.read_text().splitlines()
-    keep = [line for line in lines if 0 <= _step_of(line) <= step]
-    if len(keep) != len(lines):
+    data = path.read_bytes()
+    kept, rest = (part.decode(errors="replace").splitlines() for part in (data[:history], data[history:]))
+    keep = [line for line in kept if _step_of(line) >= 0] + [line for line in rest if 0 <= _step_of(line) <= step]
+    if len(keep) != len(kept) + len(rest):
         atomic_write(path, "".join(line + "\n" for line in keep))
-    return len(lines) - len(keep)
+    return len(kept) + len(rest) - len(keep)
 
 
 def _step_of(line: str) -> int:
@@ -285,6 +288,13 @@ class RunWriter:
             self._tensorboard(step, tags)
         for sink in self.sinks:
             sink.scalars(step, tags)
+
+    def metrics_size(self) -> int:
+        """The bytes written to metrics.jsonl so far (0 where this process writes none)."""
+        if not self.enabled:
+            return 0
+        self.metrics.flush()
+        return os.fstat(self.metrics.fileno()).st_size
 
     def _tensorboard(self, step: int, tags: list[tuple[str, float]]) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2

@@ -223,7 +223,10 @@ def resume(
             "train.steps", f"{workdir} is already trained to step {step}; raise train.steps to continue it"
         )
     lead = jax.process_index() == 0
-    dropped = rundir.truncate_metrics(workdir, step) if lead else 0
+    rollbacks = rundir.read_events(workdir, "rollback") if lead else []
+    history = rollbacks[-1].get("metrics_size", 0) if rollbacks else 0  # journals from before it: 0
+    history = history if isinstance(history, int) else 0
+    dropped = rundir.truncate_metrics(workdir, step, history) if lead else 0
     events.event("resume", step, dropped_metrics=dropped)
     if changes:
         events.event("config_change", step, changes=changes)

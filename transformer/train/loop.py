@@ -410,6 +410,7 @@ class TrainLoop:
             cooldown=m.cooldown,
             lr_factor=m.lr_factor,
             rollbacks=self.recovery.rollbacks + 1,
+            metrics_size=self.writer.metrics_size(),  # what a resume keeps of the abandoned trajectory
             **self.judged,
         )
         self.recovery.rollback(to, skip, m.cooldown, m.lr_factor)
