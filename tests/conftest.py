@@ -133,8 +133,12 @@ def assert_bitwise_equal(a: list, b: list) -> None:
 
 def tiny_run_overrides(corpus: Path, cache: Path, *extra: str) -> list[str]:
     """Overrides for a 2-layer, 32-wide model on a small JSONL corpus, logging every step to files
-    only: the run the trainer, checkpoint and monitor tests train (each adds its own `extra`)."""
+    only: the run the trainer, checkpoint and monitor tests train (each adds its own `extra`). The
+    default run's downstream task is off: these runs compare train.py's subprocess runs with runs of
+    `job.run` (which scores tasks only when given an evaluator), and the task means nothing on
+    this corpus (tests/test_harness.py runs it)."""
     return [
+        "train.eval_tasks=[]",
         f"data.source=files:{corpus}",
         f"data.cache_dir={cache}",
         "data.seq_len=32",

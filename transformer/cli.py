@@ -268,21 +268,40 @@ def _is_file(text: str) -> bool:
         return False
 
 
+def _check_eval_tasks(cfg: Config):
+    """train.eval_tasks: lm-eval installed and a model it scores, checked before any work; the loop's
+    evaluator (None without tasks). A task that cannot be loaded is refused when training starts."""
+    if not cfg.train.eval_tasks:
+        return None
+    from transformer.eval import evaluate, harness
+
+    try:
+        harness.require_lm_eval()
+        harness.check_model(cfg)
+    except harness.TaskError as e:
+        _fail("train.py", f"config: train.eval_tasks: {e}")
+    return evaluate.loop_tasks
+
+
 def _train_job(cfg: Config, workdir: Path) -> int:
     """Run the job; each way it can end becomes its exit code and at most one line on stderr."""
     from transformer.data import DataError
+    from transformer.eval import harness
     from transformer.io import CheckpointError
     from transformer.rundir import Busy
     from transformer.train import MonitorStop, OutOfMemory, Preempted, run
 
+    downstream = _check_eval_tasks(cfg)
     try:
-        run(cfg, workdir)
+        run(cfg, workdir, downstream=downstream)
     except Busy as e:  # another train.py writes this run directory
         _fail("train.py", str(e))
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
     except DataError as e:
         _fail("train.py", f"data: {e}")
+    except harness.TaskError as e:
+        _fail("train.py", f"config: train.eval_tasks: {e}")
     except CheckpointError as e:
         print(f"train.py: error: checkpoint: {e}", file=sys.stderr)
         return EXIT_FAILED
@@ -371,6 +390,7 @@ def _dry_run(cfg: Config) -> int:
         check_credentials(cfg)
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
+    _check_eval_tasks(cfg)
     from transformer.data import row_lengths
     from transformer.model import summary_text
 
@@ -458,12 +478,26 @@ def eval_parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="an encoder's predictions at each <mask> of TEXT (repeatable; --top-k of them, default 5)",
     )
+    _task_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _task_arguments(p: argparse.ArgumentParser) -> None:
+    """eval.py's lm-eval flags (the evals extra)."""
+    p.add_argument("--tasks", default=None, metavar="NAMES", help="lm-eval tasks, comma-separated (e.g. hellaswag)")
+    p.add_argument("--limit", type=int, default=None, help="with --tasks: at most this many items per task")
+    p.add_argument(
+        "--include-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="with --tasks: a directory of lm-eval task YAMLs (repeatable)",
+    )
 
 
 def _compare_main(directory: Path, by: str | None) -> int:
@@ -512,6 +546,8 @@ def eval_main(argv: list[str] | None = None) -> int:
             return _fill_mask_main(args)
         if prompts:
             return _sample_main(args, prompts)
+        if args.tasks is not None:
+            return _tasks_main(args)
         return _evaluate_main(args)
     except ConfigError as e:
         _fail("eval.py", str(e))
@@ -558,6 +594,11 @@ def _check_eval_args(args: argparse.Namespace) -> None:
         (args.top_k is None or args.top_k >= 1, "--top-k must be >= 1"),
         (args.top_p is None or 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
         (args.batches is None or args.batches >= 1, "--batches must be >= 1"),
+        (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
+        (
+            args.tasks is not None or (args.limit is None and not args.include_path),
+            "--limit and --include-path go with --tasks",
+        ),
     ]
     # JAX holds these as 32-bit integers (the seed, the scan length, k)
     for flag in ("seed", "max_new_tokens", "top_k"):
@@ -623,6 +664,33 @@ def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
         for prompt, text in zip(prompts, texts):
             print(prompt + joint + text)
             print("-" * 40)
+    return 0
+
+
+def _tasks_main(args: argparse.Namespace) -> int:
+    """`--tasks`: each lm-eval task's metrics, a line each (or one JSON object)."""
+    from transformer.eval import evaluate, harness, pretrained
+
+    names = [n.strip() for n in args.tasks.split(",") if n.strip()]
+    if not names:
+        _fail("eval.py", "--tasks: name at least one task (e.g. --tasks stdlib_next_line)")
+    include = [Path(p) for p in args.include_path]
+    for directory in include:
+        if not directory.is_dir():
+            _fail("eval.py", f"--include-path: {directory} is not a directory")
+    try:
+        if args.hf is None:
+            result = evaluate.evaluate_tasks(Path(args.workdir), names, args.limit, include, args.step)
+        else:
+            result = pretrained.tasks_pretrained(Path(args.hf), names, args.limit, include, args.overrides)
+    except harness.TaskError as e:
+        _fail("eval.py", f"--tasks: {e}")
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for task, metrics in result["tasks"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        print(f"step {result['step']} {task}: {shown}")
     return 0
 
 

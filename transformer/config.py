@@ -1081,6 +1081,10 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     eval_every: int = 200
+    # lm-eval tasks evaluated at each eval_every (the evals extra), logged as eval/<task>/<metric>;
+    # at most eval_tasks_limit items of each (null: all)
+    eval_tasks: tuple[str, ...] = ()
+    eval_tasks_limit: int | None = 200
     z_loss: float = 0.0
     # tokens of a micro-batch whose logits the loss forms at once (transformer/train/loss.py): 0 all of
     # them; null (auto) chunks of LOSS_CHUNK_BYTES of logits when the padded vocabulary is LARGE_VOCAB or more
@@ -1101,6 +1105,16 @@ class TrainConfig:
             f"batch_size ({self.batch_size}) is not divisible by grad_accum ({self.grad_accum})",
         )
         _check(self.z_loss >= 0, "z_loss", f"must be >= 0, got {self.z_loss}")
+        _check(
+            all(name.strip() and "," not in name for name in self.eval_tasks),
+            "eval_tasks",
+            f"names lm-eval tasks, one per list entry (e.g. [stdlib_next_line]), got {list(self.eval_tasks)}",
+        )
+        _check(
+            self.eval_tasks_limit is None or self.eval_tasks_limit >= 1,
+            "eval_tasks_limit",
+            f"must be >= 1 or null, got {self.eval_tasks_limit}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1428,6 +1442,7 @@ def _to_dict(obj: Any) -> dict[str, Any]:
 RUN_BOOKKEEPING = (
     "train.steps",
     "train.eval_every",
+    "train.eval_tasks",  # downstream scores are read from the parameters, never fed back
     "logging.",
     "checkpoint.",
     "mesh.",

@@ -16,9 +16,10 @@ above it in this list:
 
 from transformer.data.batches import example_batch
 from transformer.data.cache import cache_directory, make_tokenizer
-from transformer.data.objectives import Vocab, extra_ids, make_objective, row_lengths, row_tokens
+from transformer.data.objectives import Vocab, document_layout, extra_ids, make_objective, row_lengths, row_tokens
 from transformer.data.pipeline import Data, prepare
-from transformer.data.sources import DataError
+from transformer.data.sources import DataError, hub_offline, hub_unreachable
+from transformer.data.splits import load_splits
 from transformer.data.tokenizer import ByteTokenizer, TokenizerError, load_pretrained
 
 __all__ = [
@@ -28,9 +29,13 @@ __all__ = [
     "TokenizerError",
     "Vocab",
     "cache_directory",
+    "document_layout",
     "example_batch",
     "extra_ids",
+    "hub_offline",
+    "hub_unreachable",
     "load_pretrained",
+    "load_splits",
     "make_objective",
     "make_tokenizer",
     "prepare",

@@ -246,7 +246,7 @@ def _check_text_files(source: DataSource, files: list[Path]) -> None:
             )
 
 
-def _hub_unreachable() -> str | None:
+def hub_unreachable() -> str | None:
     """Why the hub cannot be reached, from one connection attempt of at most HUB_PROBE_SECONDS, or
     None. Without it, a machine with no network spends ~25 s in the hub client's retries, each one a
     line on stderr. Not probed in offline mode (the libraries then fail at once) or behind a proxy
@@ -275,7 +275,7 @@ def _hub_unreachable() -> str | None:
 
 
 @contextlib.contextmanager
-def _hub_offline():
+def hub_offline():
     """The hub libraries in offline mode (what HF_HUB_OFFLINE=1 sets at import): the local cache only."""
     import datasets.config
     from huggingface_hub import constants
@@ -291,11 +291,11 @@ def _hub_offline():
 def _documents_from_hub(source: DataSource):
     import datasets
 
-    unreachable = _hub_unreachable()
+    unreachable = hub_unreachable()
     try:
         if unreachable is None:
             return datasets.load_dataset(source.name, source.config)
-        with _hub_offline(), _quiet_datasets():  # a copy in the local cache serves; else one line below
+        with hub_offline(), _quiet_datasets():  # a copy in the local cache serves; else one line below
             return datasets.load_dataset(source.name, source.config)
     except Exception as e:
         if unreachable is not None:

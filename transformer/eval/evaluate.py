@@ -276,3 +276,49 @@ def fill_masks(workdir: Path, texts: list[str], top_k: int, step: int | None = N
             }
         )
     return out
+
+
+def task_suite(cfg: Config, names: list[str], include_path: list[Path], progress: bool = True) -> dict:
+    """lm-eval's tasks by name, loaded once (a TaskError naming a task that cannot be); the shipped
+    tasks' items live under data.cache_dir/tasks."""
+    from transformer.data import cache_directory
+    from transformer.eval import harness
+    from transformer.eval.tasks import builtin_tasks
+
+    return harness.load_tasks(names, include_path, builtin_tasks(cache_directory(cfg.data) / "tasks"), progress)
+
+
+def loop_tasks(cfg: Config, trainer: Trainer, vocab: Vocab):
+    """`train.eval_tasks` for the training loop: a function of the parameters giving
+    {"eval/<task>/<metric>": value}, its tasks loaded (and checked) now, before training."""
+    from flax import nnx
+
+    from transformer.eval import harness
+
+    harness.check_model(cfg)
+    loaded = task_suite(cfg, list(cfg.train.eval_tasks), [], progress=False)
+
+    def scores(params) -> dict[str, float]:
+        lm = harness.make_lm(cfg, nnx.merge(trainer.graphdef, params), vocab, cfg.train.batch_size)
+        results = harness.run_tasks(lm, loaded, cfg.train.eval_tasks_limit, progress=False)
+        return {f"eval/{task}/{metric}": v for task, metrics in results.items() for metric, v in metrics.items()}
+
+    return scores
+
+
+def evaluate_tasks(
+    workdir: Path, names: list[str], limit: int | None, include_path: list[Path], step: int | None = None
+) -> dict:
+    """`eval.py --workdir DIR --tasks ...`: {"step", "tasks": {task: {metric: value}}} of a kept checkpoint."""
+    from flax import nnx
+
+    from transformer.eval import harness
+
+    harness.require_lm_eval()
+    cfg, vocab = _run_vocab(workdir, step)
+    harness.check_model(cfg)
+    trainer = Trainer(cfg, sharding.make_mesh(cfg))
+    loaded = task_suite(cfg, names, include_path)
+    step, params = restore_params(cfg, workdir, step, trainer)
+    lm = harness.make_lm(cfg, nnx.merge(trainer.graphdef, params), vocab, cfg.train.batch_size)
+    return {"step": step, "tasks": harness.run_tasks(lm, loaded, limit)}

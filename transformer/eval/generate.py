@@ -31,9 +31,10 @@ class SamplingConfig:
     seed: int = 0
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [B, P], positions [B, P]) with each prompt right-aligned; padding has position -1."""
-    P = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, P], positions [B, P]) with each prompt right-aligned; padding has position -1.
+    P is the longest prompt's length, or `length` (a fixed shape, compiled once for many batches)."""
+    P = max(len(p) for p in prompts) if length is None else length
     tokens = np.full((len(prompts), P), pad_id, np.int32)
     positions = np.full((len(prompts), P), -1, np.int32)
     for row, prompt in enumerate(prompts):
@@ -73,10 +74,16 @@ def sample_logits(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig) ->
 
 
 def generate(
-    model: Transformer, prompts: list[list[int]], eos_id: int, pad_id: int, cfg: SamplingConfig
+    model: Transformer,
+    prompts: list[list[int]],
+    eos_id: int,
+    pad_id: int,
+    cfg: SamplingConfig,
+    prompt_len: int | None = None,
 ) -> list[list[int]]:
-    """New tokens for each prompt (without the prompt), stopping at EOS (not included)."""
-    return _until_eos(model, prompts, eos_id, pad_id, cfg, None)
+    """New tokens for each prompt (without the prompt), stopping at EOS (not included); the prompts
+    left-padded to `prompt_len` when given (at least the longest), else to the longest."""
+    return _until_eos(model, prompts, eos_id, pad_id, cfg, None, prompt_len)
 
 
 def generate_seq2seq(
@@ -100,15 +107,18 @@ def _until_eos(
     pad_id: int,
     cfg: SamplingConfig,
     encoder_inputs: tuple[jax.Array, jax.Array] | None,
+    prompt_len: int | None = None,
 ) -> list[list[int]]:
     """The compiled loop on left-padded prompts (an encoder-decoder's: its encoder tokens and segment
     ids beside), each row cut at its first EOS."""
-    max_len = max(len(p) for p in prompts) + cfg.max_new_tokens
+    longest = max(len(p) for p in prompts)
+    assert prompt_len is None or prompt_len >= longest
+    max_len = (prompt_len or longest) + cfg.max_new_tokens
     if not model.cfg.fits_positions(max_len):
         raise ValueError(
             f"prompt plus new tokens ({max_len}) exceed the model's context of {model.cfg.max_seq_len} tokens"
         )
-    tokens, positions = left_pad(prompts, pad_id)
+    tokens, positions = left_pad(prompts, pad_id, prompt_len)
     graphdef, params = nnx.split(model)
     out = _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions), eos_id, max_len, cfg, encoder_inputs)
     result = []

@@ -76,3 +76,26 @@ def export_hf(workdir: Path, step: int | None, out: Path, note: Callable[[str], 
         (out / name).write_text(text)
         written.append(name)
     return f"wrote {out} ({family.name}): {', '.join(written)}"
+
+
+def tasks_pretrained(
+    path: Path, names: list[str], limit: int | None, include_path: list[Path], overrides: Sequence[str] = ()
+) -> dict:
+    """`eval.py --hf PATH --tasks ...`: as `evaluate_tasks` of a run, at step 0, with PATH's tokenizer
+    (data.seq_len, an override, sets the context rows are cut to; it is the model's at most)."""
+    from flax import nnx
+
+    from transformer.accelerator import resolve
+    from transformer.data import Vocab, cache_directory, make_tokenizer
+    from transformer.eval import harness
+    from transformer.eval.evaluate import task_suite
+    from transformer.model import Transformer
+
+    harness.require_lm_eval()
+    cfg = resolve(pretrained_config(path, overrides))
+    harness.check_model(cfg)
+    vocab = Vocab(make_tokenizer(cfg.data, None, cache_directory(cfg.data)))
+    params = hf.load_params(path, cfg.model, hf.abstract_params(cfg.model))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    lm = harness.make_lm(cfg, nnx.merge(graphdef, params), vocab, cfg.train.batch_size)
+    return {"step": 0, "tasks": harness.run_tasks(lm, task_suite(cfg, names, include_path), limit)}

@@ -15,7 +15,17 @@ from matplotlib.figure import Figure
 
 from transformer import rundir
 from transformer.report.scaling import LadderSummary
-from transformer.report.stats import LR_KEY, SIZE_KEYS, Report, Run, format_value, short_key, transfer, transfer_points
+from transformer.report.stats import (
+    LR_KEY,
+    SIZE_KEYS,
+    Report,
+    Run,
+    format_value,
+    short_key,
+    task_keys,
+    transfer,
+    transfer_points,
+)
 
 FACET_ABOVE = 8  # more variants than this: one panel per level of the compared key
 
@@ -262,6 +272,15 @@ def loss_vs_compute(report: Report, ladder: LadderSummary | None) -> Figure | No
     return fig
 
 
+def task_figures(report: Report) -> list[tuple[str, str, Figure]]:
+    """Each downstream task metric (train.eval_tasks) against tokens, a figure each."""
+    keys = dict.fromkeys(k for r in report.runs for k in task_keys(r.series))
+    return [
+        (f"{key.removeprefix('eval/')} against tokens", key.replace("/", "_"), curves(report, key, key, smooth=False))
+        for key in keys
+    ]
+
+
 def figures(report: Report, ladder: LadderSummary | None = None) -> list[tuple[str, str, Figure]]:
     """(title, file stem, figure) for every plot the data supports (`ladder`: a ladder's scaling)."""
     out = [
@@ -279,6 +298,7 @@ def figures(report: Report, ladder: LadderSummary | None = None) -> list[tuple[s
     )
     for title, stem, fig in (
         ("validation loss against tokens", "val_loss", val),
+        *task_figures(report),
         ("per-layer statistics at the end", "layers", per_layer(report)),
         ("loss against learning rate", "lr", loss_vs_lr(report)),
         ("learning-rate transfer across model size", "lr_transfer", lr_transfer(report)),

@@ -81,9 +81,11 @@ def table(report: Report) -> Table:
     keys = report.keys
     sources = report.sources()  # a column per mixture source, only when some run has them
     header = [short_key(k) for k in keys] + ["seeds"] + [c[0] for c in COLUMNS]
-    header += [f"best val {name}" for name in sources] + ["diverged"]
+    tasks = report.task_metrics()  # a column per downstream task metric (train.eval_tasks)
+    header += [f"best val {name}" for name in sources] + [f"final {name}" for name in tasks] + ["diverged"]
     stats = {field: report.aggregate(field) for _, field, _ in COLUMNS}
     by_source = {name: report.aggregate_source(name) for name in sources}
+    by_task = {name: report.aggregate_task(name) for name in tasks}
     stats["params"] = {v: (float(report.summaries[runs[0].name].params), None) for v, runs in report.variants.items()}
     rows = []
     for variant, runs in report.variants.items():
@@ -92,6 +94,7 @@ def table(report: Report) -> Table:
         row = [format_value(first.get(k)) for k in keys] + [f"{len(done)}/{len(runs)}"]
         row += [_cell(*stats[field][variant], fmt) for _, field, fmt in COLUMNS]
         row += [_cell(*by_source[name][variant], "{:.4f}") for name in sources]
+        row += [_cell(*by_task[name][variant], "{:.3f}") for name in tasks]
         row.append(f"{sum(report.summaries[r.name].diverged for r in done)}/{len(done)}")
         rows.append(row)
     return header, rows

@@ -184,6 +184,8 @@ class Summary:
     status: str
     # a mixture run's best val/<name>/loss per source (empty for a single source)
     best_val_by_source: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the last logged score of each downstream task metric (train.eval_tasks), "<task>/<metric>"
+    final_tasks: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _min(values: np.ndarray) -> float:
@@ -236,7 +238,17 @@ def summarize(run: Run, budget: int | None) -> Summary:
             for key in run.series
             if key.startswith("val/") and key.endswith("/loss")
         },
+        final_tasks={key.removeprefix("eval/"): _last(run.curve(key)[1]) for key in task_keys(run.series)},
     )
+
+
+def task_keys(series: dict) -> list[str]:
+    """The downstream task metrics a run logged (eval/<task>/<metric>), their standard errors left out."""
+    return [k for k in series if k.startswith("eval/") and not k.endswith("_stderr")]
+
+
+def _last(values: np.ndarray) -> float:
+    return float(values[-1]) if len(values) else math.nan
 
 
 def _loss_at_budget(seen: np.ndarray, loss: np.ndarray, budget: int | None) -> float:
@@ -317,6 +329,17 @@ class Report:
         for a run without that source)."""
         return {
             v: mean_std([self.summaries[r.name].best_val_by_source.get(name, math.nan) for r in self.finished(runs)])
+            for v, runs in self.variants.items()
+        }
+
+    def task_metrics(self) -> list[str]:
+        """The downstream task metrics any run logged ("<task>/<metric>"), in order of first appearance."""
+        return list(dict.fromkeys(n for s in self.summaries.values() for n in s.final_tasks))
+
+    def aggregate_task(self, name: str) -> dict[str, tuple[float, float | None]]:
+        """Mean and std of one task metric's final score over each variant's finished runs."""
+        return {
+            v: mean_std([self.summaries[r.name].final_tasks.get(name, math.nan) for r in self.finished(runs)])
             for v, runs in self.variants.items()
         }
 

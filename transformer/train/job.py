@@ -17,20 +17,41 @@ from transformer.config import Config, ConfigError, config_changes
 from transformer.data import Data, prepare
 from transformer.io import Checkpointer, CheckpointError, check_writable, partial_writes
 from transformer.rundir import RunWriter
-from transformer.train.loop import RunResult, train
+from transformer.train.loop import Downstream, RunResult, train
 from transformer.train.signals import StopSignal
 from transformer.train.trainer import Trainer, TrainState
 from transformer.train.wandb_sink import check_credentials
 
 
-def run(cfg: Config, workdir: Path, log: Callable[[str], None] = print) -> RunResult:
+def run(
+    cfg: Config, workdir: Path, log: Callable[[str], None] = print, downstream: Downstream | None = None
+) -> RunResult:
     """The `train.py` job: resume checks, data, the resolved config, training, checkpoints, and a summary.
-    The run directory is locked for the job's life (rundir.Busy when another process writes it)."""
+    The run directory is locked for the job's life (rundir.Busy when another process writes it).
+    `downstream` scores train.eval_tasks (train.py hands in transformer.eval.evaluate.loop_tasks)."""
     limits.check_platform(cfg)  # refuse an impossible mesh, dtype, attention or size before any work
     check_credentials(cfg)
+    check_downstream(cfg, downstream, log)
     resume_changes(cfg, workdir)  # refuse an unsafe change before touching the directory (the lock file)
     with writer_lock(workdir):  # ... and check again under the lock, in _run
-        return _run(cfg, workdir, log)
+        return _run(cfg, workdir, log, downstream)
+
+
+def check_downstream(cfg: Config, downstream: Downstream | None, log: Callable[[str], None]) -> None:
+    """Whether train.eval_tasks are scored in the loop: on one process, with an evaluator (train.py
+    hands one in); otherwise a line says they are not, and how to score them."""
+    if not cfg.train.eval_tasks or jax.process_index() != 0:
+        return
+    if jax.process_count() > 1:
+        log(
+            f"train.eval_tasks ({', '.join(cfg.train.eval_tasks)}) not evaluated: scored on one process only; "
+            "eval.py --workdir DIR --tasks scores this run's checkpoints"
+        )
+    elif downstream is None:
+        log(
+            f"train.eval_tasks ({', '.join(cfg.train.eval_tasks)}) not evaluated: no evaluator given "
+            "(train.py gives transformer.eval.evaluate.loop_tasks as run(..., downstream=))"
+        )
 
 
 @contextlib.contextmanager
@@ -57,7 +78,7 @@ def writer_lock(workdir: Path) -> Iterator[None]:
         lock.release()
 
 
-def _run(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult:
+def _run(cfg: Config, workdir: Path, log: Callable[[str], None], downstream: Downstream | None) -> RunResult:
     lead = jax.process_index() == 0
     changes = resume_changes(cfg, workdir)
     done = finished(cfg, workdir, log)
@@ -89,6 +110,7 @@ def _run(cfg: Config, workdir: Path, log: Callable[[str], None]) -> RunResult:
                 start=start,
                 stop=stop,
                 monitor_state=monitor_state,
+                downstream=downstream if cfg.train.eval_tasks and jax.process_count() == 1 else None,
             )
     finally:
         checkpointer.close()

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from transformer import rundir, sharding
 from transformer.accelerator import choose_attention, choose_dtype
 from transformer.config import Config
-from transformer.data import Data
+from transformer.data import Data, Vocab
 from transformer.errors import EXIT_FAILED, first_line
 from transformer.io import Checkpointer, CheckpointError, SaveFailed, meta_record, state_is_finite
 from transformer.model import count_params
@@ -48,6 +49,12 @@ class RunResult:
     params: dict | None = None  # the trained parameters, for callers that inspect them
 
 
+# what scores train.eval_tasks: given (cfg, trainer, vocab) once, a function of the parameters giving
+# {"eval/<task>/<metric>": value} (transformer.eval.evaluate.loop_tasks; the evaluation package sits
+# above this one, so the caller hands it in)
+Downstream = Callable[[Config, Trainer, Vocab], Callable[[Any], dict[str, float]]]
+
+
 def train(
     cfg: Config,
     data: Data,
@@ -59,11 +66,12 @@ def train(
     start: TrainState | None = None,
     stop: StopSignal | None = None,
     monitor_state: dict | None = None,
+    downstream: Downstream | None = None,
 ) -> RunResult:
     """Train `cfg` from `start` (or from scratch), writing metrics and events to `workdir` (process 0
     only) and checkpoints through `checkpointer`. `on_metrics(step, values)` sees every logged set of
-    training metrics (tests, notebooks)."""
-    loop = TrainLoop(cfg, data, workdir, mesh, log, on_metrics, checkpointer, start, stop, monitor_state)
+    training metrics (tests, notebooks); `downstream` scores `train.eval_tasks` at each evaluation."""
+    loop = TrainLoop(cfg, data, workdir, mesh, log, on_metrics, checkpointer, start, stop, monitor_state, downstream)
     return loop.run()
 
 
@@ -82,6 +90,7 @@ class TrainLoop:
         start: TrainState | None = None,
         stop: StopSignal | None = None,
         monitor_state: dict | None = None,
+        downstream: Downstream | None = None,
     ):
         self.cfg, self.data, self.log, self.on_metrics = cfg, data, log, on_metrics
         self.checkpointer, self.stop = checkpointer, stop
@@ -91,6 +100,8 @@ class TrainLoop:
         trace_dir = workdir / rundir.TENSORBOARD if workdir is not None and self.lead else None
         self.profile = ProfileWindow(cfg.logging.profile_steps, trace_dir, log)
         self.trainer = Trainer(cfg, self.mesh)
+        # its tasks loaded now: one that cannot be is refused before any step
+        self.downstream = downstream(cfg, self.trainer, data.objective.vocab) if downstream is not None else None
         # compiled here, ahead of the first step, to log (and check) what a device will hold
         self.train_step, self.plan = preflight.start_step(self.trainer, data.train_batch(0, *_process()))
         put = lambda local: self.trainer.put_batch(local, cfg.train.batch_size)
@@ -213,6 +224,8 @@ class TrainLoop:
         if self.rollback_to is not None:
             return None
         self.val = validation_metrics(self.trainer, self.state.params, self.data)
+        if self.downstream is not None:
+            self.val.update(self.downstream(self.state.params))
         self.writer.scalars(done, self.val)
         return self.val["val_loss"]
 
