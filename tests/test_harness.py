@@ -147,11 +147,62 @@ def test_generate_until_is_greedy_generation_cut_at_the_first_stop():
     assert cut == alone[0][: alone[0].index(stop)]
 
 
-def test_encoders_and_encoder_decoders_are_refused_in_one_line():
-    for arch in ("encoder", "encoder_decoder"):
-        cfg = load_config(None, [f"model.arch={arch}", "train.eval_tasks=[]"])
-        with pytest.raises(harness.TaskError, match=f"model.arch={arch} is not scored"):
-            harness.check_model(cfg)
+def test_an_encoder_is_refused_in_one_line():
+    cfg = load_config(None, ["model.arch=encoder", "train.eval_tasks=[]"])
+    with pytest.raises(harness.TaskError, match=r"an encoder .* has no next-token likelihood"):
+        harness.check_model(cfg)
+
+
+def seq2seq_model():
+    from flax import nnx
+
+    overrides = ["model.arch=encoder_decoder", "data.source=builtin:seq2seq", "data.seq_len=32", "data.target_len=16"]
+    cfg, _ = model_and_config(*overrides)
+    return cfg, Transformer(cfg.model, rngs=nnx.Rngs(4))
+
+
+def test_an_encoder_decoder_scores_the_continuation_decoded_from_its_encoded_context():
+    """The context is the encoder's input (its last data.seq_len tokens), the continuation decoded
+    from BOS (its first data.target_len), as training reads a pair: each request equals the model's
+    own log-probabilities, padded into shared shapes or not."""
+    cfg, model = seq2seq_model()
+    lm = harness.make_lm(cfg, model, VOCAB, batch=3)
+    pairs = [("3 + 4 =", " 7"), ("sort: c a b", " a b c"), ("x" * 40, " y"), ("q", "z" * 20), ("", "hello")]
+    got = lm.loglikelihood([request("loglikelihood", c, x) for c, x in pairs])
+    bos = VOCAB.tokenizer.bos_id
+    for (context, continuation), (logp, _) in zip(pairs, got):
+        source = (VOCAB.encode(context) or [EOS])[-32:]  # an empty context is lm-eval's prefix token
+        target = VOCAB.encode(continuation)[:16]
+        logits = model(jnp.asarray([[bos, *target[:-1]]]), encoder_tokens_BxS=jnp.asarray([source]))
+        logp_T = jax.nn.log_softmax(logits[0], axis=-1)
+        np.testing.assert_allclose(logp, float(sum(logp_T[t, x] for t, x in enumerate(target))), rtol=1e-5, atol=1e-5)
+
+
+def test_an_encoder_decoder_generates_from_its_encoded_context_and_takes_no_perplexity_task(tmp_path):
+    from transformer.eval.generate import generate_seq2seq
+
+    cfg, model = seq2seq_model()
+    lm = harness.make_lm(cfg, model, VOCAB, batch=2)
+    contexts = ["3 + 4 =", "sort: c a b a", "x"]
+    t = VOCAB.tokenizer
+    alone = [
+        VOCAB.decode(generate_seq2seq(model, [VOCAB.encode(c)], t.bos_id, EOS, t.pad_id, SamplingConfig(8, 0.0))[0])
+        for c in contexts
+    ]
+    assert lm.generate_until([request("generate_until", c, {"max_gen_toks": 8}) for c in contexts]) == alone
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tmp_path / "texts.jsonl"
+    data.write_text('{"text": "a b c"}\n')
+    (tasks / "text_ppl.yaml").write_text(
+        f"task: text_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "output_type: loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: text\n"
+        "metric_list:\n  - metric: word_perplexity\n"
+    )
+    from transformer.eval.evaluate import task_suite
+
+    with pytest.raises(harness.TaskError, match="task text_ppl asks the likelihood of a whole text"):
+        task_suite(cfg, ["text_ppl"], [tasks], progress=False)
 
 
 # --- the shipped task -------------------------------------------------------------------------------
@@ -343,3 +394,16 @@ def test_a_hugging_face_model_takes_tasks_with_its_own_tokenizer(tmp_path, capsy
     assert eval_main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["step"] == 0 and 0 <= out["tasks"]["parity_words"]["acc"] <= 1
+
+
+def test_a_decoder_trained_on_pairs_reads_context_separator_continuation():
+    """A prefix-LM's row in training is input, BOS (the separator), target: so is a request's."""
+    cfg, model = model_and_config("data.source=builtin:seq2seq", "data.seq_len=24", "data.target_len=8")
+    assert cfg.data.objective == "prefix"
+    lm = harness.make_lm(cfg, model, VOCAB, batch=2)
+    [(logp, _)] = lm.loglikelihood([request("loglikelihood", "3 + 4 =", "7")])
+    tokens = [*VOCAB.encode("3 + 4 ="), VOCAB.tokenizer.bos_id, *VOCAB.encode("7")]
+    np.testing.assert_allclose(logp, direct_logprob(model, tokens, 1), rtol=1e-5)
+    prompt = [*VOCAB.encode("3 + 4 ="), VOCAB.tokenizer.bos_id]
+    new = generate(model, [prompt], EOS, VOCAB.tokenizer.pad_id, SamplingConfig(5, 0.0))[0]
+    assert lm.generate_until([request("generate_until", "3 + 4 =", {"max_gen_toks": 5})]) == [VOCAB.decode(new)]

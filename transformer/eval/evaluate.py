@@ -285,7 +285,9 @@ def task_suite(cfg: Config, names: list[str], include_path: list[Path], progress
     from transformer.eval import harness
     from transformer.eval.tasks import builtin_tasks
 
-    return harness.load_tasks(names, include_path, builtin_tasks(cache_directory(cfg.data) / "tasks"), progress)
+    loaded = harness.load_tasks(names, include_path, builtin_tasks(cache_directory(cfg.data) / "tasks"), progress)
+    harness.check_task_kinds(cfg, loaded)
+    return loaded
 
 
 def loop_tasks(cfg: Config, trainer: Trainer, vocab: Vocab):

@@ -43,9 +43,10 @@ def left_pad(prompts: list[list[int]], pad_id: int, length: int | None = None) -
     return tokens, positions
 
 
-def right_pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [B, S], segment ids [B, S]: 1 on real tokens, 0 on padding) with each row left-aligned."""
-    S = max(len(r) for r in rows)
+def right_pad(rows: list[list[int]], pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, S], segment ids [B, S]: 1 on real tokens, 0 on padding) with each row left-aligned;
+    S is the longest row's length, or `length`."""
+    S = max(len(r) for r in rows) if length is None else length
     tokens = np.full((len(rows), S), pad_id, np.int32)
     segments = np.zeros((len(rows), S), np.int32)
     for i, row in enumerate(rows):
@@ -87,15 +88,21 @@ def generate(
 
 
 def generate_seq2seq(
-    model: Transformer, inputs: list[list[int]], bos_id: int, eos_id: int, pad_id: int, cfg: SamplingConfig
+    model: Transformer,
+    inputs: list[list[int]],
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    cfg: SamplingConfig,
+    input_len: int | None = None,
 ) -> list[list[int]]:
     """An encoder-decoder's output for each input (token rows of any lengths, right-padded with
-    segment id 0 so that padding is never attended): encoded once, then decoded from BOS until EOS
-    (not included) or `max_new_tokens`."""
-    longest = max(len(row) for row in inputs)
+    segment id 0, to `input_len` when given, so that padding is never attended): encoded once, then
+    decoded from BOS until EOS (not included) or `max_new_tokens`."""
+    longest = max(len(row) for row in inputs) if input_len is None else input_len
     if not model.cfg.fits_positions(longest):
         raise ValueError(f"an input of {longest} tokens exceeds the model's context of {model.cfg.max_seq_len} tokens")
-    tokens_BxS, segments_BxS = right_pad(inputs, pad_id)
+    tokens_BxS, segments_BxS = right_pad(inputs, pad_id, input_len)
     encoder_inputs = (jnp.asarray(tokens_BxS), jnp.asarray(segments_BxS))
     return _until_eos(model, [[bos_id]] * len(inputs), eos_id, pad_id, cfg, encoder_inputs)
 

@@ -2,10 +2,12 @@
 `LM`, and `run_tasks`, which evaluates any harness task (its registry and YAML task format, local
 `--include-path` tasks, the built-in `stdlib_next_line`) on a model.
 
-Conventions, so that a score means what the model learned: every scored row starts with EOS (the
-boundary each training document follows), is cut from the left to the model's context, and is laid
-out as training lays out its windows (segments and positions per document under
-`data.document_mask`). Rows are scored in batches padded to a few static shapes (a power of two of
+Conventions, so that a score means what the model learned: a row is read as training read its rows.
+A causal decoder's starts with EOS (the boundary each training document follows), is cut from the
+left to the model's context and laid out as training lays out its windows (segments and positions
+per document under `data.document_mask`); a decoder trained on pairs (`prefix`) reads the context,
+its separator (BOS), then the continuation; an encoder-decoder encodes the context and decodes the
+continuation from BOS. Rows are scored in batches padded to a few static shapes (a power of two of
 tokens up to the context, `batch` rows), so a task compiles a handful of times, not once per request.
 Generation is the framework's KV-cache `generate`, greedy unless a task asks to sample.
 
@@ -30,7 +32,7 @@ from flax import nnx
 from transformer.config import Config
 from transformer.data import Vocab, document_layout, hub_offline, hub_unreachable
 from transformer.errors import first_line
-from transformer.eval.generate import SamplingConfig, generate
+from transformer.eval.generate import SamplingConfig, generate, generate_seq2seq
 
 EVALS_EXTRA = 'pip install -e ".[evals]"'
 
@@ -48,11 +50,13 @@ def require_lm_eval() -> None:
 
 
 def check_model(cfg: Config) -> None:
-    """The families whose scoring is built: decoders (trained causally, or on pairs with a separator)."""
-    if cfg.model.arch != "decoder":
+    """The families lm-eval's requests fit: decoders (trained causally, or on pairs with a separator)
+    and encoder-decoders (the context encoded, the continuation decoded). An encoder has no
+    left-to-right likelihood to give (pseudo-log-likelihoods are not built)."""
+    if cfg.model.arch == "encoder":
         raise TaskError(
-            f"lm-eval tasks score decoder models; model.arch={cfg.model.arch} is not scored yet "
-            "(an encoder has no next-token likelihood, an encoder-decoder's rows are not built)"
+            "lm-eval tasks score decoders and encoder-decoders; an encoder (model.arch=encoder) has no "
+            "next-token likelihood (its masked predictions: eval.py --fill-mask)"
         )
 
 
@@ -72,12 +76,26 @@ def _token_scores(graphdef, params, inputs_BxT, targets_BxT, positions_BxT, segm
     return logp_BxT, jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _pair_scores(graphdef, params, encoder_BxS, encoder_segments_BxS, inputs_BxT, targets_BxT, segments_BxT):
+    """An encoder-decoder's `_token_scores`: the decoder's targets given the encoded inputs."""
+    model = nnx.merge(graphdef, params)
+    logits_BxTxV = model(
+        inputs_BxT, None, segments_BxT, encoder_tokens_BxS=encoder_BxS, encoder_segment_ids_BxS=encoder_segments_BxS
+    )
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+    logp_BxT = jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    return logp_BxT, jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT
+
+
 class Scorer:
     """Log-likelihoods of token rows under a model, batched into static shapes."""
 
     def __init__(self, cfg: Config, model, vocab: Vocab, batch: int):
         assert cfg.model.max_seq_len is not None  # a run's Config fills it from data.seq_len
         self.context, self.batch, self.vocab = cfg.model.max_seq_len, batch, vocab
+        # an encoder-decoder's input and output lengths (data.seq_len, data.target_len)
+        self.input_len, self.target_len = cfg.data.seq_len, cfg.data.target_len or cfg.data.seq_len
         self.document_mask = cfg.data.document_mask and cfg.data.objective in (None, "causal")
         self.graphdef, self.params = nnx.split(model)
         self.lengths = buckets(self.context)
@@ -118,6 +136,39 @@ class Scorer:
         return out
 
 
+def _pad_rows(rows: list[list[int]], batch: int, length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [batch, length], segment ids: 1 on real tokens, 0 on padding), rows left-aligned."""
+    tokens, segments = np.full((batch, length), pad, np.int32), np.zeros((batch, length), np.int32)
+    for b, row in enumerate(rows):
+        tokens[b, : len(row)], segments[b, : len(row)] = row, 1
+    return tokens, segments
+
+
+def score_pairs(scorer: Scorer, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+    """An encoder-decoder's log-likelihood of each (input, continuation): the input (its last
+    data.seq_len tokens) encoded, the continuation (its first data.target_len) decoded from BOS, as
+    training reads a pair; batched into power-of-two shapes like `Scorer.score`."""
+    t = scorer.vocab.tokenizer
+    cut = [(x[-scorer.input_len :], y[: scorer.target_len]) for x, y in pairs]
+    out: list[tuple[float, bool]] = [(0.0, True)] * len(cut)
+    order = sorted(range(len(cut)), key=lambda i: (-len(cut[i][0]), -len(cut[i][1])))
+    for start in range(0, len(order), scorer.batch):
+        chunk = order[start : start + scorer.batch]
+        S = next(n for n in buckets(scorer.input_len) if n >= max(len(cut[i][0]) for i in chunk))
+        T = next(n for n in buckets(scorer.target_len) if n >= max(len(cut[i][1]) for i in chunk))
+        encoder, encoder_segments = _pad_rows([cut[i][0] for i in chunk], scorer.batch, S, t.pad_id)
+        inputs, segments = _pad_rows([[t.bos_id, *cut[i][1][:-1]] for i in chunk], scorer.batch, T, t.pad_id)
+        targets, _ = _pad_rows([cut[i][1] for i in chunk], scorer.batch, T, t.pad_id)
+        logp, greedy = _pair_scores(
+            scorer.graphdef, scorer.params, encoder, encoder_segments, inputs, targets, segments
+        )
+        logp, greedy = np.asarray(logp), np.asarray(greedy)
+        for b, i in enumerate(chunk):
+            n = len(cut[i][1])
+            out[i] = (float(logp[b, :n].sum()), bool(greedy[b, :n].all()))
+    return out
+
+
 @functools.cache
 def _lm_class():
     """The lm-eval adapter class (defined on first use: lm-eval is an optional extra)."""
@@ -133,11 +184,19 @@ def _lm_class():
             self.progress = True  # lm-eval's bars (run_tasks turns them off inside training)
             # a decoder trained on pairs reads its input, the separator it was trained with, then the target
             self.separator = [vocab.tokenizer.bos_id] if cfg.data.objective == "prefix" else []
-            self.backend = "seq2seq" if self.separator else "causal"  # encode context and continuation apart
+            self.encoder_decoder = cfg.model.arch == "encoder_decoder"
+            # pairs: context and continuation encoded apart, as their two sides were in training
+            self.backend = "seq2seq" if self.separator or self.encoder_decoder else "causal"
 
         @property
         def eot_token_id(self) -> int:
             return self.vocab.tokenizer.eos_id
+
+        def lead(self, context: list[int]) -> list[int]:
+            """A causal decoder's context after the EOS its training documents follow (an empty context
+            is [EOS] already); a pair's input as it is (its row starts with it in training)."""
+            eos = self.eot_token_id
+            return context if self.separator or self.encoder_decoder or context[:1] == [eos] else [eos, *context]
 
         @property
         def max_length(self) -> int:
@@ -153,12 +212,7 @@ def _lm_class():
             return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-            eos = self.eot_token_id
-            rows = []
-            for _, context, continuation in requests:
-                start = context if context[:1] == [eos] else [eos, *context]  # an empty context is [EOS] already
-                rows.append(([*start, *self.separator, *continuation], len(continuation)))
-            return self.scorer.score(rows)
+            return loglikelihood_tokens(self, [(context, continuation) for _, context, continuation in requests])
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
             return rolling_loglikelihood(self, [request.args[0] for request in requests])
@@ -176,11 +230,22 @@ def make_lm(cfg: Config, model, vocab: Vocab, batch: int = 16):
     return _lm_class()(cfg, model, vocab, batch)
 
 
+def loglikelihood_tokens(lm, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+    """lm-eval's _loglikelihood_tokens: (log-probability, greedy) of each continuation after its
+    context, read as the model was trained to read it (see the module's docstring)."""
+    if lm.encoder_decoder:
+        return score_pairs(lm.scorer, pairs)
+    rows = [([*lm.lead(context), *lm.separator, *continuation], len(continuation)) for context, continuation in pairs]
+    return lm.scorer.score(rows)
+
+
 def rolling_loglikelihood(lm, texts: list[str]) -> list[float]:
     """lm-eval's loglikelihood_rolling: each text's log-probability after EOS, every token predicted
-    once over lm-eval's disjoint windows of the context, each with as much context as fits."""
+    once over lm-eval's disjoint windows of the context, each with as much context as fits. A
+    decoder's only (`check_task_kinds` refuses the others' perplexity tasks before they run)."""
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+    assert not lm.encoder_decoder
     rows, owner = [], []
     for i, text in enumerate(texts):
         windows = get_rolling_token_windows(lm.tok_encode(text), lm.eot_token_id, lm.max_length, 1)
@@ -204,17 +269,23 @@ def generate_until(lm, requests: list[tuple[str, dict]]) -> list[str]:
         groups.setdefault(sampling, []).append(i)
     out = [""] * len(requests)
     for sampling, members in groups.items():
-        room = lm.max_length - sampling.max_new_tokens
-        prompts = {i: [lm.eot_token_id, *lm.tok_encode(requests[i][0]), *lm.separator][-room:] for i in members}
+        # a decoder's prompt and its new tokens share the context; an encoder-decoder's input is its own
+        room = lm.scorer.input_len if lm.encoder_decoder else lm.max_length - sampling.max_new_tokens
+        prompts = {i: [*lm.lead(lm.tok_encode(requests[i][0])), *lm.separator][-room:] for i in members}
         for start in range(0, len(members), lm.scorer.batch):
             chunk = members[start : start + lm.scorer.batch]
-            longest = max(len(prompts[i]) for i in chunk)
-            length = min(next(n for n in lm.scorer.lengths if n >= longest), room)
+            length = min(next(n for n in buckets(room) if n >= max(len(prompts[i]) for i in chunk)), room)
             rows = [prompts[i] for i in chunk] + [[lm.eot_token_id]] * (lm.scorer.batch - len(chunk))
-            ids = generate(lm.model, rows, lm.eot_token_id, lm.vocab.tokenizer.pad_id, sampling, length)
-            for i, new in zip(chunk, ids):
+            for i, new in zip(chunk, _generate_rows(lm, rows, sampling, length)):
                 out[i] = _cut(lm.tok_decode(new), settings[i][1])
     return out
+
+
+def _generate_rows(lm, rows: list[list[int]], sampling: SamplingConfig, length: int) -> list[list[int]]:
+    t = lm.vocab.tokenizer
+    if lm.encoder_decoder:
+        return generate_seq2seq(lm.model, rows, t.bos_id, t.eos_id, t.pad_id, sampling, length)
+    return generate(lm.model, rows, t.eos_id, t.pad_id, sampling, length)
 
 
 def _generation_settings(lm, gen_kwargs: dict) -> tuple[SamplingConfig, tuple[str, ...]]:
@@ -297,6 +368,20 @@ def load_tasks(
                 f"task {name}: its dataset {_dataset(config)} could not be loaded ({first_line(e, with_type=True)}){hub}"
             ) from None
     return loaded
+
+
+def check_task_kinds(cfg: Config, loaded: dict) -> None:
+    """TaskError for a task whose requests the model cannot answer: an encoder-decoder has no
+    likelihood of a text on its own (perplexity tasks, loglikelihood_rolling)."""
+    if cfg.model.arch != "encoder_decoder":
+        return
+    for name, task_dict in loaded.items():
+        for task in task_dict["tasks"].values():
+            if task.OUTPUT_TYPE == "loglikelihood_rolling":
+                raise TaskError(
+                    f"task {name} asks the likelihood of a whole text (loglikelihood_rolling), which an "
+                    "encoder-decoder does not give; its multiple-choice and generation tasks run"
+                )
 
 
 def _dataset(config: dict) -> str:
