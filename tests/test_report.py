@@ -254,10 +254,14 @@ def test_report_of_a_real_sweep_matches_its_runs(tiny_sweep):
         end = read_events(tiny_sweep / run.name, "end")[-1]
         assert s.final_val_loss == pytest.approx(end["val_loss"])
         assert math.isfinite(s.max_attn_logit) and s.params > 0
+        # the default run's downstream task, as each member logged it last
+        acc = logged(tiny_sweep / run.name, "eval/stdlib_next_line/acc")
+        assert s.final_tasks["stdlib_next_line/acc"] == acc[max(acc)]
     md = (tiny_sweep / "report.md").read_text()
     for run in report.runs:
         assert f"{report.summaries[run.name].final_train_loss:.4f}" in md
-    for name in ("loss", "grad_norm", "val_loss", "layers", "lr"):
+    assert "final stdlib_next_line/acc_norm" in md
+    for name in ("loss", "grad_norm", "val_loss", "layers", "lr", "eval_stdlib_next_line_acc"):
         assert (tiny_sweep / "plots" / f"{name}.png").read_bytes()[:8] == PNG
 
 
