@@ -13,6 +13,7 @@ import pytest
 from conftest import tiny_run_overrides, write_corpus
 from lm_eval.api.instance import Instance
 
+from transformer import rundir
 from transformer.cli import eval_main, train_main
 from transformer.config_loader import load_config
 from transformer.data import ByteTokenizer, Vocab
@@ -236,6 +237,7 @@ def trained(tmp_path_factory):
     base = tiny_run_overrides(corpus, cache, "data.tokenizer=byte", "train.eval_every=4", "checkpoint.every=4")
     tasks = ["train.eval_tasks=[stdlib_next_line]", "train.eval_tasks_limit=20"]
     straight, resumed = root / "straight", root / "resumed"
+    run(load_config(None, [*base, "train.steps=8"]), root / "without", log=lambda _: None)
     run(load_config(None, [*base, *tasks, "train.steps=8"]), straight, log=lambda _: None, downstream=loop_tasks)
     run(load_config(None, [*base, *tasks, "train.steps=4"]), resumed, log=lambda _: None, downstream=loop_tasks)
     run(load_config(None, [*base, *tasks, "train.steps=8"]), resumed, log=lambda _: None, downstream=loop_tasks)
@@ -248,12 +250,15 @@ def eval_rows(workdir: Path) -> list[dict]:
 
 
 def test_eval_tasks_are_logged_at_each_evaluation_and_resume_bit_for_bit(trained):
-    straight, resumed, _ = trained
+    straight, resumed, root = trained
     rows = eval_rows(straight)
     assert [r["step"] for r in rows] == [4, 8]
     for r in rows:
         assert 0 <= r["eval/stdlib_next_line/acc"] <= 1 and "eval/stdlib_next_line/acc_norm" in r
     assert eval_rows(resumed) == rows
+    # scoring reads the parameters and changes nothing: the run without tasks trains the same losses
+    losses = [[r["loss"] for r in rundir.read_metrics(w) if "loss" in r] for w in (straight, root / "without")]
+    assert losses[0] == losses[1] and len(losses[0]) == 8
 
 
 def test_eval_py_tasks_matches_the_loop(trained, capsys):
