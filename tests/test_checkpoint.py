@@ -82,13 +82,25 @@ OTHERS = [("optim.name=ademamix", "optim.ademamix.warmup=20"), ("optim.name=lion
 OTHERS += [("optim.name=schedule_free_adamw",)]  # its z sequence, weight sum and largest lr
 OTHERS += [("optim.name=soap", "optim.soap.precondition_every=7")]  # factors and bases, refreshed across the stop
 OTHERS += [("optim.name=muon", "model.qk_clip=0.03")]  # MuonClip, the clip acting in most steps (logits ~0.06)
+OTHERS += [("optim.independent_decay=true", "optim.weight_decay=1e-3")]  # the decay's own update count
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [(), MUP_AWAY, MUON, *OTHERS],
-    ids=["standard", "mup-complete-p", "muon", "ademamix", "lion", "adafactor", "schedule-free", "soap", "muonclip"],
+    ids=[
+        "standard",
+        "mup-complete-p",
+        "muon",
+        "ademamix",
+        "lion",
+        "adafactor",
+        "schedule-free",
+        "soap",
+        "muonclip",
+        "independent-decay",
+    ],
 )
 def test_clean_stop_and_resume_is_bitwise_exact(corpus, cache, tmp_path, extra):
     # a schedule that does not depend on train.steps, so stopping at 30 is on the 60-step trajectory

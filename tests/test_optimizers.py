@@ -1,6 +1,6 @@
 """Optimisers beside AdamW and Muon (train/optim.py): AdEMAMix's warm-up schedules in closed form
 and its step against the formula, schedule-free AdamW against optax's and its average in closed
-form, each optimiser's refused keys in one line. Resume bit for bit of
+form, independent weight decay against its closed form, each optimiser's refused keys in one line. Resume bit for bit of
 every optimiser is tests/test_checkpoint.py's; Muon's own tests are tests/test_muon.py."""
 
 import math
@@ -67,6 +67,11 @@ def test_ademamix_steps_are_the_formula():
         (["optim.name=soap", "optim.soap.precondition_every=0"], "optim.soap.precondition_every"),
         (["optim.name=soap", "optim.soap.max_precond_dim=0"], "optim.soap.max_precond_dim"),
         (["optim.name=soap", "model.parametrization=mup"], "optim.name"),
+        (["optim.independent_decay=true", "model.parametrization=mup"], "optim.independent_decay"),
+        (
+            ["optim.name=schedule_free_adamw", "optim.schedule=constant", "optim.independent_decay=true"],
+            "optim.independent_decay",
+        ),
     ],
 )
 def test_refusals_name_the_key(overrides, key):
@@ -133,3 +138,50 @@ def test_schedule_free_average_weights_each_z_by_the_squared_largest_lr():
         for name in ("w_in", "w_out"):
             average = sum(wi * np.asarray(z[name], np.float64) for wi, z in zip(w, zs[: t + 1]))
             np.testing.assert_allclose(xs[t][name], average, rtol=1e-5, atol=1e-7)
+
+
+def _decay_run(name: str, lr: float, independent: bool, grads: bool, steps: int = 4):
+    """The parameters after `steps` updates of a decayed matrix and an undecayed embedding (zero
+    gradients: only the decay moves them), weight decay 0.5, a warm-up of 2 into a cosine over 10."""
+    overrides = [f"optim.name={name}", f"optim.lr={lr}", "optim.weight_decay=0.5", "optim.warmup_steps=2"]
+    cfg = load_config(None, [*overrides, f"optim.independent_decay={str(independent).lower()}"]).optim
+    params, loss = _regression()
+    params = {"blocks": params, "embed": jnp.ones(4)}
+    tx = make_optimizer(cfg, 10, params)
+    state = tx.init(params)
+    for _ in range(steps):
+        g = jax.grad(lambda p: loss(p["blocks"]) + jnp.sum(p["embed"]))(params)
+        updates, state = tx.update(g if grads else jax.tree.map(jnp.zeros_like, g), state, params)
+        params = optax.apply_updates(params, updates)
+    return cfg, params
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
+def test_independent_decay_is_the_same_at_every_learning_rate_and_follows_the_schedule(name):
+    """Without gradients only the decay moves a parameter: theta * prod_t (1 - s_t * wd), s_t the
+    schedule's lr(t) / optim.lr, at every learning rate (lr-coupled decay: prod (1 - lr(t) * wd),
+    which differs); the embedding, outside the decay mask, never moves."""
+    runs = {lr: _decay_run(name, lr, True, grads=False) for lr in (1e-3, 1e-1)}
+    cfg, _ = runs[1e-3]
+    shape = schedule(cfg, 10)
+    want = math.prod(1 - float(shape(t)) / cfg.lr * 0.5 for t in range(4))
+    start = _regression()[0]["w_in"]
+    for _, after in runs.values():
+        np.testing.assert_allclose(after["blocks"]["w_in"], start * want, rtol=1e-6)
+        np.testing.assert_array_equal(after["embed"], jnp.ones(4))
+    coupled = [_decay_run(name, lr, False, grads=False)[1]["blocks"]["w_in"] for lr in (1e-3, 1e-1)]
+    assert not np.allclose(coupled[0], coupled[1])
+
+
+def test_independent_decay_adds_to_the_undecayed_optimisers_step():
+    """With gradients: the step is the optimiser's own without decay, minus s_t * wd * theta."""
+    cfg, independent = _decay_run("adamw", 1e-2, True, grads=True, steps=1)
+    plain = load_config(None, ["optim.lr=1e-2", "optim.weight_decay=0", "optim.warmup_steps=2"]).optim
+    params, loss = _regression()
+    params = {"blocks": params, "embed": jnp.ones(4)}
+    tx = make_optimizer(plain, 10, params)
+    g = jax.grad(lambda p: loss(p["blocks"]) + jnp.sum(p["embed"]))(params)
+    updates, _ = tx.update(g, tx.init(params), params)
+    factor = float(schedule(cfg, 10)(0)) / cfg.lr * 0.5
+    want = params["blocks"]["w_in"] + updates["blocks"]["w_in"] - factor * params["blocks"]["w_in"]
+    np.testing.assert_allclose(independent["blocks"]["w_in"], want, rtol=1e-6, atol=1e-7)

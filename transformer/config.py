@@ -1034,6 +1034,10 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # true: weight_decay is not multiplied by the learning rate (Loshchilov & Hutter's original form,
+    # Wortsman et al. 2023's "independent" decay): each step takes theta -= s_t * weight_decay * theta,
+    # s_t the schedule's shape (lr(t) / optim.lr), so the decay is the same at every optim.lr
+    independent_decay: bool = False
     decay_embeddings: bool = False
     clip_norm: float | None = 1.0
     muon: MuonConfig = MuonConfig()
@@ -1064,6 +1068,11 @@ class OptimConfig:
                 f"schedule_free_adamw replaces the decay schedule by its average: set optim.schedule=constant (the warm-up stays), not {self.schedule}",
             )
             _check(self.b1 > 0, "b1", "is schedule_free_adamw's interpolation toward the average: must be in (0, 1)")
+            _check(
+                not self.independent_decay,
+                "independent_decay",
+                "schedule_free_adamw decays its own iterate inside its step; its decay is lr-coupled only",
+            )
 
 
 # A vocabulary this large (GPT-2's, Llama's) makes the float32 logits of a batch (4 bytes x vocabulary
@@ -1275,6 +1284,11 @@ class Config:
         )
         if m.parametrization == "mup":
             self._check_mup_optimizer()
+            _check(
+                not self.optim.independent_decay,
+                "optim.independent_decay",
+                "µP's decay multipliers are written for lr-coupled decay (model.parametrization)",
+            )
         _check(  # the cooldown scales the step the parameters take, which schedule-free's is not
             self.optim.name != "schedule_free_adamw" or self.monitor.lr_factor == 1.0,
             "monitor.lr_factor",

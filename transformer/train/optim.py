@@ -106,6 +106,23 @@ def decay_each(weight_decay: float, multipliers: dict, mask: dict) -> optax.Grad
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def independent_decay(rate: float, shape, mask: dict) -> optax.GradientTransformation:
+    """Weight decay not scaled by the learning rate (optim.independent_decay): the update, already
+    scaled by the learning rate, minus shape(t) * rate * theta where `mask` is True; `shape(count)` is
+    the schedule's lr(count) / peak, read at the same update count as the optimiser's own schedule."""
+
+    def init(params):
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        assert params is not None, "weight decay needs the parameters"
+        factor = shape(state.count) * rate
+        decayed = jax.tree.map(lambda u, p, m: u - factor * p if m else u, updates, params, mask)
+        return decayed, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(
     cfg: OptimConfig,
     total_steps: int,
@@ -119,6 +136,11 @@ def make_optimizer(
     parameters' names are read by."""
     lr = schedule(cfg, total_steps)
     mask = decay_mask(params, cfg.decay_embeddings)
+    if cfg.independent_decay:  # the optimiser without decay, then the decay after it (µP refuses it)
+        plain = dataclasses.replace(cfg, weight_decay=0.0, independent_decay=False)
+        opt = make_optimizer(plain, total_steps, params, scaling, model)
+        decay = independent_decay(cfg.weight_decay, lambda count: lr(count) / cfg.lr, mask)
+        return optax.chain(opt, decay)
     if cfg.name == "muon":
         assert model is not None, "Muon reads its matrices' layouts from the model config"
         opt = _muon(cfg, lr, total_steps, params, scaling, model)
