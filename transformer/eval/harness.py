@@ -192,12 +192,6 @@ def _lm_class():
         def eot_token_id(self) -> int:
             return self.vocab.tokenizer.eos_id
 
-        def lead(self, context: list[int]) -> list[int]:
-            """A causal decoder's context after the EOS its training documents follow (an empty context
-            is [EOS] already); a pair's input as it is (its row starts with it in training)."""
-            eos = self.eot_token_id
-            return context if self.separator or self.encoder_decoder or context[:1] == [eos] else [eos, *context]
-
         @property
         def max_length(self) -> int:
             return self.scorer.context
@@ -230,12 +224,19 @@ def make_lm(cfg: Config, model, vocab: Vocab, batch: int = 16):
     return _lm_class()(cfg, model, vocab, batch)
 
 
+def _lead(lm, context: list[int]) -> list[int]:
+    """A causal decoder's context after the EOS its training documents follow (an empty context is
+    [EOS] already); a pair's input as it is (its row starts with it in training)."""
+    eos = lm.eot_token_id
+    return context if lm.separator or lm.encoder_decoder or context[:1] == [eos] else [eos, *context]
+
+
 def loglikelihood_tokens(lm, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
     """lm-eval's _loglikelihood_tokens: (log-probability, greedy) of each continuation after its
     context, read as the model was trained to read it (see the module's docstring)."""
     if lm.encoder_decoder:
         return score_pairs(lm.scorer, pairs)
-    rows = [([*lm.lead(context), *lm.separator, *continuation], len(continuation)) for context, continuation in pairs]
+    rows = [([*_lead(lm, context), *lm.separator, *continuation], len(continuation)) for context, continuation in pairs]
     return lm.scorer.score(rows)
 
 
@@ -271,7 +272,7 @@ def generate_until(lm, requests: list[tuple[str, dict]]) -> list[str]:
     for sampling, members in groups.items():
         # a decoder's prompt and its new tokens share the context; an encoder-decoder's input is its own
         room = lm.scorer.input_len if lm.encoder_decoder else lm.max_length - sampling.max_new_tokens
-        prompts = {i: [*lm.lead(lm.tok_encode(requests[i][0])), *lm.separator][-room:] for i in members}
+        prompts = {i: [*_lead(lm, lm.tok_encode(requests[i][0])), *lm.separator][-room:] for i in members}
         for start in range(0, len(members), lm.scorer.batch):
             chunk = members[start : start + lm.scorer.batch]
             length = min(next(n for n in buckets(room) if n >= max(len(prompts[i]) for i in chunk)), room)
