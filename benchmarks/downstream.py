@@ -4,9 +4,9 @@ against the training steps it sits between.
     python benchmarks/downstream.py --workdir RUN [--tasks stdlib_next_line] [--limit 200] [--rounds 5]
 
 Loads RUN's latest checkpoint and its tasks once (as the loop does), then times `--rounds`
-evaluations after a first one that compiles: the median wall time, the rows scored per second (a
-multiple-choice item is one row per choice), and the model FLOPs of the tokens computed (padding
-included; the real tokens' share is printed) as a fraction of the machine's measured matmul peak.
+evaluations after a first one that compiles: the median wall time, the tokens computed per second
+(padding included; the real tokens' share is printed) and their forward FLOPs as a fraction of the
+machine's measured matmul peak.
 The scores must be the same every round.
 """
 

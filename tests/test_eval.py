@@ -127,18 +127,17 @@ def test_bad_input(trained, tmp_path, capsys):
     expect_usage_error(capsys, ["--workdir", str(workdir), "--top-p", "0"], "--top-p")
 
 
+def eval_cli(workdir: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`python eval.py --workdir WORKDIR [FLAGS]` as a user runs it, on the CPU."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "eval.py", "--workdir", str(workdir), *flags]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.slow
 def test_eval_cli_end_to_end(trained):
     workdir, _ = trained
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "eval.py", "--workdir", str(workdir)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = eval_cli(workdir)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("step 20 on files:") and "bits per byte" in out.stdout
 
@@ -153,15 +152,7 @@ def test_a_damaged_checkpoint_is_one_line_and_eval_falls_back(trained, tmp_path)
     workdir = tmp_path / "run"
     shutil.copytree(trained[0], workdir)
     shutil.rmtree(workdir / "checkpoints" / "20" / "state" / "d")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "eval.py", "--workdir", str(workdir)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = eval_cli(workdir)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("step 10 on files:")
     lines = out.stderr.strip().splitlines()
@@ -243,14 +234,7 @@ def test_eval_text_output_of_a_mixture_has_a_line_per_source(trained_mixture, ca
 
 @pytest.mark.slow
 def test_eval_cli_of_a_mixture_end_to_end(trained_mixture):
-    out = subprocess.run(
-        [sys.executable, "eval.py", "--workdir", str(trained_mixture), "--json"],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = eval_cli(trained_mixture, "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result["sources"]) == {"code", "prose"} and result["tokens"] == 2 * MIXTURE_VAL_WINDOWS * MIXTURE_SEQ_LEN

@@ -32,7 +32,7 @@ from flax import nnx
 from transformer.config import Config
 from transformer.data import Vocab, document_layout, hub_offline, hub_unreachable
 from transformer.errors import first_line
-from transformer.eval.generate import SamplingConfig, generate, generate_seq2seq
+from transformer.eval.generate import SamplingConfig, generate, generate_seq2seq, right_pad
 
 EVALS_EXTRA = 'pip install -e ".[evals]"'
 
@@ -116,10 +116,7 @@ class Scorer:
 
     def _score_batch(self, rows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
         T = next(n for n in self.lengths if n >= max(len(tokens) - 1 for tokens, _ in rows))
-        pad = self.vocab.tokenizer.pad_id
-        tokens_BxT1 = np.full((self.batch, T + 1), pad, np.int32)
-        for b, (tokens, _) in enumerate(rows):
-            tokens_BxT1[b, : len(tokens)] = tokens
+        tokens_BxT1, _ = _pad_rows([tokens for tokens, _ in rows], self.batch, T + 1, self.vocab.tokenizer.pad_id)
         inputs, targets = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
         self.computed, self.batches = self.computed + self.batch * T, self.batches + 1
         self.scored += sum(len(tokens) - 1 for tokens, _ in rows)
@@ -137,11 +134,8 @@ class Scorer:
 
 
 def _pad_rows(rows: list[list[int]], batch: int, length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [batch, length], segment ids: 1 on real tokens, 0 on padding), rows left-aligned."""
-    tokens, segments = np.full((batch, length), pad, np.int32), np.zeros((batch, length), np.int32)
-    for b, row in enumerate(rows):
-        tokens[b, : len(row)], segments[b, : len(row)] = row, 1
-    return tokens, segments
+    """generate.right_pad's (tokens [batch, length], segment ids), the batch filled with empty rows."""
+    return right_pad([*rows, *[[]] * (batch - len(rows))], pad, length)
 
 
 def score_pairs(scorer: Scorer, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
