@@ -67,7 +67,10 @@ def test_ademamix_steps_are_the_formula():
         (["optim.name=soap", "optim.soap.precondition_every=0"], "optim.soap.precondition_every"),
         (["optim.name=soap", "optim.soap.max_precond_dim=0"], "optim.soap.max_precond_dim"),
         (["optim.name=soap", "model.parametrization=mup"], "optim.name"),
-        (["optim.independent_decay=true", "model.parametrization=mup"], "optim.independent_decay"),
+        (
+            ["optim.independent_decay=true", "model.parametrization=mup", "model.depth_scaling=complete_p"],
+            "optim.independent_decay",
+        ),
         (
             ["optim.name=schedule_free_adamw", "optim.schedule=constant", "optim.independent_decay=true"],
             "optim.independent_decay",

@@ -210,6 +210,14 @@ def test_per_parameter_multipliers_scale_the_step_its_weight_decay_and_adams_eps
     np.testing.assert_array_equal(one_big["b"]["c"], plain["b"]["c"])
     assert not np.allclose(update(c=big_eps)["a"], plain["a"])  # the factor is large enough to show
 
+    # independent decay (optim.independent_decay): the µP step without decay, then every decayed
+    # parameter by 1 - s_t * wd whatever its learning rate's multiplier (s_0 = 1: a constant schedule)
+    alone = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant", weight_decay=0.1, independent_decay=True)
+    scaling = OptimizerScaling({"a": 0.25, "b": {"c": 1.0}}, {"a": 0.25, "b": {"c": 1.0}}, ones)
+    apart = update(scaling, c=alone)
+    np.testing.assert_allclose(apart["a"], 0.25 * no_decay["a"] - 0.1 * 1.0, rtol=1e-6)
+    np.testing.assert_allclose(apart["b"]["c"], no_decay["b"]["c"] - 0.1 * 2.0, rtol=1e-6)  # alike at 1.0
+
 
 def test_depth_scaling_multiplies_each_residual_branch_after_its_output_norm():
     from transformer.model import Block

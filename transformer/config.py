@@ -1284,10 +1284,10 @@ class Config:
         )
         if m.parametrization == "mup":
             self._check_mup_optimizer()
-            _check(
-                not self.optim.independent_decay,
+            _check(  # under width-only µP the decay is every width's (not the 1/m its lr takes)
+                not self.optim.independent_decay or m.depth_scaling == "none",
                 "optim.independent_decay",
-                "µP's decay multipliers are written for lr-coupled decay (model.parametrization)",
+                "depth scaling's decay multipliers are written for lr-coupled decay (model.depth_scaling)",
             )
         _check(  # the cooldown scales the step the parameters take, which schedule-free's is not
             self.optim.name != "schedule_free_adamw" or self.monitor.lr_factor == 1.0,

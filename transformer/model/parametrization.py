@@ -29,7 +29,8 @@ the head share it, and the 1/m logit multiplier makes the shared table's readout
 is the head's case exactly (d_model in, a fixed n_experts out), so it gets the head's rule; the
 experts are hidden matrices with their own width, shared experts included. Weight decay rides on
 the learning rate (AdamW's decoupled decay is multiplied by it), as the per-group learning rates of
-µP's own code (`mup.MuAdamW`) do.
+µP's own code (`mup.MuAdamW`) do; decay independent of the learning rate (`optim.independent_decay`)
+takes none of it, so every width decays alike.
 
 **Depth** (`model.depth_scaling`), on top of µP, with m_L = n_layers / mup_base_n_layers and
 alpha 1/2 (depth-µP: Yang et al. 2023, "Tensor Programs VI", arXiv 2310.02244, and Bordelon et al.

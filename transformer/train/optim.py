@@ -136,7 +136,7 @@ def make_optimizer(
     parameters' names are read by."""
     lr = schedule(cfg, total_steps)
     mask = decay_mask(params, cfg.decay_embeddings)
-    if cfg.independent_decay:  # the optimiser without decay, then the decay after it (µP refuses it)
+    if cfg.independent_decay:  # the optimiser without decay, then the decay after it, at every width alike
         plain = dataclasses.replace(cfg, weight_decay=0.0, independent_decay=False)
         opt = make_optimizer(plain, total_steps, params, scaling, model)
         decay = independent_decay(cfg.weight_decay, lambda count: lr(count) / cfg.lr, mask)
