@@ -3,6 +3,7 @@ drops, the balancing loss's closed forms, capacity drops, router gradients, exac
 parameter counts against the real tree. Identical losses on meshes with an expert axis are part of
 test_trainer.py's mesh test (its model interleaves a dense and a MoE layer)."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -288,3 +289,55 @@ def test_dropless_moe_decodes_from_the_cache_as_the_full_forward():
     from test_generate import check_cached_equals_full
 
     check_cached_equals_full(moe_cfg(capacity_factor=None, moe_every=2, n_layers=4, n_shared_experts=1))
+
+
+def _dropping_model():
+    """A capacity-trained MoE (top-2 at capacity 1.0) whose router sends every token to experts 0
+    and 1, so that each row drops most of its assignments."""
+    cfg = moe_cfg(capacity_factor=1.0, moe_every=2, n_layers=2, max_seq_len=T)
+    model = build(cfg)
+    router = model.moe_blocks.ffn.router
+    router[...] = jnp.zeros_like(router[...]).at[:, :, 0].set(3.0).at[:, :, 1].set(2.0)
+    return cfg, model
+
+
+def test_inference_computes_the_capacity_model_without_drops_and_decoding_equals_it():
+    """Evaluation and generation compute ModelConfig.at_inference (no drops), whose cached decoding
+    equals its full forward; the training function keeps its capacity and differs."""
+    from test_generate import prefill_then_decode
+
+    from transformer.model import for_inference
+
+    cfg, model = _dropping_model()
+    inference = for_inference(model)
+    assert inference.cfg == dataclasses.replace(cfg, capacity_factor=None) and for_inference(inference) is inference
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.vocab_size)
+    dropless = nnx.merge(nnx.split(build(inference.cfg))[0], nnx.state(model))
+    full = np.asarray(inference(tokens))
+    assert_bitwise_equal(full, np.asarray(dropless(tokens)))
+    assert np.abs(full - np.asarray(model(tokens))).max() > 1e-3  # the capacity model drops
+    cached = prefill_then_decode(*nnx.split(inference), tokens, 5)
+    np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
+
+
+def test_validation_scores_the_inference_model_and_the_monitor_judges_by_the_training_one():
+    from transformer import sharding
+    from transformer.train import Trainer
+
+    cfg = load_config(None, ["model.n_experts=4", "model.top_k=2", "model.capacity_factor=1.0", "data.seq_len=16"])
+    cfg = cfg.with_vocab(61)
+    trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
+    params = trainer.init(jax.random.key(0)).params
+    rows = np.random.default_rng(0).integers(0, 61, (2, 17)).astype(np.int32)
+    batch = trainer.put_batch({"inputs": rows[:, :-1], "targets": rows[:, 1:]}, 2)
+    inference = nnx.merge(trainer.inference_graphdef, params)
+    training = nnx.merge(trainer.graphdef, params)
+    assert inference.cfg.capacity_factor is None and training.cfg.capacity_factor == 1.0
+
+    def nll(m):
+        logp = jax.nn.log_softmax(m(jnp.asarray(rows[:, :-1]))[..., :61].astype(jnp.float32))
+        return -float(jnp.sum(jnp.take_along_axis(logp, jnp.asarray(rows[:, 1:])[..., None], -1)))
+
+    validation, judged = float(trainer.eval_step(params, batch)[0]), float(trainer.judge_step(params, batch)[0])
+    assert validation == pytest.approx(nll(inference), rel=1e-5) and judged == pytest.approx(nll(training), rel=1e-5)
+    assert validation != judged

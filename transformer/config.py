@@ -558,6 +558,17 @@ class ModelConfig:
         return tuple(bool(self.n_experts) and (i + 1) % self.moe_every == 0 for i in range(self.n_layers))
 
     @property
+    def at_inference(self) -> ModelConfig:
+        """The model evaluation and generation compute: a capacity-trained mixture of experts without
+        drops. A drop depends on the other tokens of the row (with top_k > 1 on later ones too) and
+        the capacity on its length, so no cached decoding could compute the training function; every
+        inference path (validation, eval.py, the harness, generation) computes this one instead, which
+        cached decoding equals. Training keeps its capacity. `self` where nothing differs."""
+        if not self.n_experts or self.capacity_factor is None:
+            return self
+        return dataclasses.replace(self, capacity_factor=None)
+
+    @property
     def compute_dtype(self) -> DType:
         """The dtype activations are computed in. A run's model is built from a config that
         `accelerator.resolve` has settled (auto: float32 on a CPU, bfloat16 on a GPU or TPU); one built

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer.model import Transformer
+from transformer.model import Transformer, for_inference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def _until_eos(
             f"prompt plus new tokens ({max_len}) exceed the model's context of {model.cfg.max_seq_len} tokens"
         )
     tokens, positions = left_pad(prompts, pad_id, prompt_len)
-    graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(for_inference(model))
     out = _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions), eos_id, max_len, cfg, encoder_inputs)
     result = []
     for row in np.asarray(out):
@@ -169,7 +169,7 @@ def fill_mask(
     """An encoder's `top_k` predictions (best first) at each `mask_id` of each row, in order; rows
     of different lengths are right-padded with segment id 0, so padding is never attended."""
     tokens, segments = right_pad(rows, pad_id)
-    graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(for_inference(model))
     best = np.asarray(_top_predictions(graphdef, params, jnp.asarray(tokens), jnp.asarray(segments), top_k))
     return [[best[i, t].tolist() for t in np.flatnonzero(tokens[i] == mask_id)] for i in range(len(rows))]
 

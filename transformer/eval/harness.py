@@ -33,6 +33,7 @@ from transformer.config import Config
 from transformer.data import Vocab, document_layout, hub_offline, hub_unreachable
 from transformer.errors import first_line
 from transformer.eval.generate import SamplingConfig, generate, generate_seq2seq, right_pad
+from transformer.model import for_inference
 
 EVALS_EXTRA = 'pip install -e ".[evals]"'
 
@@ -215,7 +216,7 @@ def make_lm(cfg: Config, model, vocab: Vocab, batch: int = 16):
     """The lm-eval LM of `model` (an nnx Transformer) with the run's vocabulary."""
     require_lm_eval()
     check_model(cfg)
-    return _lm_class()(cfg, model, vocab, batch)
+    return _lm_class()(cfg, for_inference(model), vocab, batch)
 
 
 def _lead(lm, context: list[int]) -> list[int]:

@@ -445,7 +445,8 @@ def load(workdir: str | Path, step: int | None = None, log: Callable[[str], None
     """(config, model) of a run's latest (or given) checkpoint, on the current devices. Without a
     `step`, a damaged newest checkpoint is passed over for the one before (a line to `log` says so).
 
-    For notebooks and eval: `cfg, model = load("runs/x")`; `model(tokens)` gives logits.
+    For notebooks and eval: `cfg, model = load("runs/x")`; `model(tokens)` gives logits, of the model
+    inference computes (`ModelConfig.at_inference`: a capacity-trained mixture of experts without drops).
     """
     from flax import nnx
 
@@ -456,7 +457,7 @@ def load(workdir: str | Path, step: int | None = None, log: Callable[[str], None
     if not rundir.has_config(workdir):
         raise CheckpointError(f"{workdir} holds no run (no {rundir.CONFIG})")
     cfg = rundir.read_config(workdir)
-    model_cfg = resolve(cfg).model  # attention_impl: auto -> this backend's pick
+    model_cfg = resolve(cfg).model.at_inference  # attention_impl: auto -> this backend's pick
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
     params_shape = nnx.to_pure_dict(abstract_params)

@@ -37,7 +37,7 @@ from transformer.model.summary import (
     non_embedding_params,
     summary_text,
 )
-from transformer.model.transformer import Block, Transformer, layer_slots
+from transformer.model.transformer import Block, Transformer, for_inference, layer_slots
 
 __all__ = [
     "STEP_METRICS",
@@ -50,6 +50,7 @@ __all__ = [
     "count_params",
     "cross_cache_bytes_per_source_token",
     "flops_per_token",
+    "for_inference",
     "kv_cache_bytes_per_token",
     "layer_slots",
     "matrix_axes",

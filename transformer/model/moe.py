@@ -18,6 +18,8 @@ Dispatch, decided in `MoE.__call__`:
   dispatch and combine tensors (B x T x E x X), which shard like everything else.
 - dropless (`capacity_factor: null`): every assignment is computed. The B*T*K assignments are
   sorted by expert and multiplied with `jax.lax.ragged_dot`, which takes one group per expert.
+  Evaluation and generation always run dropless (`ModelConfig.at_inference`): a capacity is
+  training's, as no cached decoding can see the tokens a drop depends on.
 
 Losses (means over the batch's tokens): the Switch load-balancing loss E * sum_e f_e * P_e, where
 f_e is the fraction of assignments routed to e and P_e the mean routing probability of e (1 at

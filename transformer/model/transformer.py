@@ -618,3 +618,13 @@ class Transformer(nnx.Module):
         if "head_logit_max" in stats:  # layer-major whichever way the layers ran: [L * N] or [L, N]
             terms["head_logit_max"] = stats["head_logit_max"].reshape(self.cfg.n_layers, -1)
         return x_BxTxD, terms
+
+
+def for_inference(model: Transformer) -> Transformer:
+    """`model` as evaluation and generation compute it (`ModelConfig.at_inference`: a capacity-trained
+    mixture of experts without drops), sharing its parameters; `model` itself where nothing differs."""
+    cfg = model.cfg.at_inference
+    if cfg is model.cfg:
+        return model
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))

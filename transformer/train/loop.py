@@ -380,8 +380,8 @@ class TrainLoop:
     def checkpoint_is_sound(self, step: int) -> bool:
         """Do the parameters of checkpoint `step` keep the loss of the last normal step's batch (data
         batch step - 1, the one its last update trained on) within the monitor's limit (mean +
-        threshold * std of the window)? One eval_step, on the clean batch; a sound state is kept for
-        the rollback. Everything it reads is a function of the trajectory, so a resumed run judges
+        threshold * std of the window)? One judge_step (the training function, as the limit's losses
+        are), on the clean batch; a sound state is kept for the rollback. Everything it reads is a function of the trajectory, so a resumed run judges
         alike (and a journaled rollback is replayed without judging again)."""
         assert self.checkpointer is not None  # rollback_target asks only with checkpoints
         limit = self.monitor.loss_limit(up_to=step)
@@ -396,7 +396,7 @@ class TrainLoop:
         index = self.recovery.batch_index(step - 1)
         local = self.data.train_batch(index, jax.process_index(), jax.process_count())
         batch = self.trainer.put_batch(local, self.cfg.train.batch_size)
-        nll, count, _ = self.trainer.eval_step(restored[0]["params"], batch)
+        nll, count, _ = self.trainer.judge_step(restored[0]["params"], batch)
         loss = float(nll) / float(count)
         sound = math.isfinite(loss) and loss <= limit
         self.judged.update(checkpoint_sound=sound, judged_loss=loss, judged_batch=index)

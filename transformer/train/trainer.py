@@ -11,6 +11,7 @@ the model inside the step, so optax, orbax and the sharding table all see ordina
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -144,6 +145,11 @@ class Trainer:
         self.mesh = mesh
         self.placer = sharding.activation_placer(mesh)
         self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+        # validation computes the model inference does (ModelConfig.at_inference), with the same parameters
+        self.inference_graphdef = self.graphdef
+        if cfg.model.at_inference is not cfg.model:
+            inference = nnx.eval_shape(lambda: Transformer(cfg.model.at_inference, rngs=nnx.Rngs(0)))
+            self.inference_graphdef = nnx.split(inference)[0]
         param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
         pure = nnx.to_pure_dict(abstract)
         scaling = optimizer_scaling(cfg.model, pure, muon=cfg.optim.name == "muon")
@@ -162,6 +168,10 @@ class Trainer:
             donate_argnums=0,
         )
         self.eval_step = jax.jit(self._eval_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated)
+        self.judge_step = self.eval_step  # the training function's loss, which the monitor's limits are of
+        if self.inference_graphdef is not self.graphdef:
+            judge = functools.partial(self._eval_step, graphdef=self.graphdef)
+            self.judge_step = jax.jit(judge, in_shardings=(param_shardings, batch_spec), out_shardings=replicated)
         self.stats_step = jax.jit(
             self._stats_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated
         )
@@ -172,8 +182,8 @@ class Trainer:
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
 
-    def _loss(self, params, batch, key):
-        model = nnx.merge(self.graphdef, params)
+    def _loss(self, params, batch, key, graphdef=None):
+        model = nnx.merge(self.graphdef if graphdef is None else graphdef, params)
         with placing(self.placer):
             x_BxTxD, routing = model.forward(*model_inputs(batch), key=key, **encoder_inputs(batch))
         head_max = routing.pop("head_logit_max", None)  # under model.qk_clip: [L, N]
@@ -257,9 +267,12 @@ class Trainer:
         with placing(self.placer):
             return model.stability_stats(*model_inputs(batch), **encoder_inputs(batch))
 
-    def _eval_step(self, params, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(nll sum, target count, count of targets predicted right) of one batch."""
-        _, (nll_sum, count, _, correct, _) = self._loss(params, batch, None)
+    def _eval_step(self, params, batch, graphdef=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(nll sum, target count, count of targets predicted right) of one batch, by the model
+        inference computes unless another `graphdef` is given."""
+        _, (nll_sum, count, _, correct, _) = self._loss(
+            params, batch, None, self.inference_graphdef if graphdef is None else graphdef
+        )
         return nll_sum, count, correct
 
     # --- host-side helpers ------------------------------------------------------------------------
