@@ -58,7 +58,8 @@ def test_one_expert_top1_is_the_dense_ffn(capacity_factor, ffn):
 
 def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
     """The mixture written plainly: for each token, score the experts, take the top k, weigh each
-    chosen expert's FFN output by its gate (renormalised over the k when k > 1)."""
+    chosen expert's FFN output by its gate (renormalised over the k when k > 1 unless the config
+    says not), plus the shared experts' output (times sigmoid(x . w) where gated)."""
     cfg = moe.cfg
     router = np.asarray(moe.router[...], np.float64)
     w_in, w_out = np.asarray(moe.w_in[...], np.float64), np.asarray(moe.w_out[...], np.float64)
@@ -73,7 +74,7 @@ def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
             else:
                 scores = 1 / (1 + np.exp(-logits))
             chosen = np.argsort(-scores)[: cfg.top_k]
-            gates = scores[chosen] / (scores[chosen].sum() if cfg.top_k > 1 else 1.0)
+            gates = scores[chosen] / (scores[chosen].sum() if cfg.top_k > 1 and cfg.renormalize_gates else 1.0)
             for e, g in zip(chosen, gates):
                 if cfg.gated_ffn:
                     h = np.asarray(act(x[b, t] @ w_in[e, :, 0])) * (x[b, t] @ w_in[e, :, 1])
@@ -81,7 +82,10 @@ def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
                     h = np.asarray(act(x[b, t] @ w_in[e]))
                 out[b, t] += g * (h @ w_out[e])
     if moe.shared is not None:
-        out += np.asarray(moe.shared(x_BxTxD), np.float64)
+        gate = 1.0
+        if moe.shared_gate is not None:
+            gate = 1 / (1 + np.exp(-(x @ np.asarray(moe.shared_gate[...], np.float64))))[..., None]
+        out += gate * np.asarray(moe.shared(x_BxTxD), np.float64)
     return out
 
 
@@ -92,13 +96,23 @@ def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
         dict(top_k=2, capacity_factor=None, router="sigmoid"),
         dict(top_k=2, capacity_factor=100.0, ffn="gelu"),
         dict(top_k=3, capacity_factor=100.0, router="sigmoid", n_shared_experts=1),
+        # Qwen-MoE: the top-k scores as they are, and a gated shared expert
+        dict(top_k=2, capacity_factor=None, renormalize_gates=False, n_shared_experts=2, shared_expert_gate=True),
     ],
-    ids=["top1-dropless", "top2-sigmoid-dropless", "top2-capacity-inf-gelu", "top3-sigmoid-capacity-inf-shared"],
+    ids=[
+        "top1-dropless",
+        "top2-sigmoid-dropless",
+        "top2-capacity-inf-gelu",
+        "top3-sigmoid-capacity-inf-shared",
+        "top2-unnormalised-gated-shared",
+    ],
 )
 def test_without_drops_the_output_is_the_per_token_loop(kw):
     cfg = moe_cfg(**kw)
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     moe.router[...] = moe.router[...] * 50  # distinct scores, so ties cannot reorder the choice
+    if moe.shared_gate is not None:  # gates well away from 1/2 and from each other
+        moe.shared_gate[...] = moe.shared_gate[...] * 50
     x = random_x(cfg)
     y, sown = run_moe(moe, x)
     np.testing.assert_allclose(np.asarray(y), loop_reference(moe, x), rtol=1e-4, atol=1e-6)
@@ -161,6 +175,7 @@ def test_router_gets_gradients_from_the_output(kw):
     [
         dict(),
         dict(moe_every=2, n_layers=4, n_shared_experts=1, moe_d_ff=24),
+        dict(n_shared_experts=2, shared_expert_gate=True),
         dict(ffn="gelu", top_k=1, n_experts=3, moe_every=3, n_layers=3),
     ],
 )
@@ -205,6 +220,7 @@ def test_mixed_layers_scanned_equal_unrolled():
         ("model.moe_every=3", "model.moe_every"),  # 2 layers
         ("model.capacity_factor=0", "model.capacity_factor"),
         ("mesh.expert=3", "mesh.expert"),
+        ("model.shared_expert_gate=true", "model.shared_expert_gate"),  # no shared experts to gate
     ],
 )
 def test_impossible_moe_sizes_name_the_key(override, key):
@@ -214,7 +230,12 @@ def test_impossible_moe_sizes_name_the_key(override, key):
 
 
 @pytest.mark.parametrize(
-    ("override", "key"), [("mesh.expert=2", "mesh.expert"), ("model.moe_d_ff=64", "model.moe_d_ff")]
+    ("override", "key"),
+    [
+        ("mesh.expert=2", "mesh.expert"),
+        ("model.moe_d_ff=64", "model.moe_d_ff"),
+        ("model.renormalize_gates=false", "model.renormalize_gates"),
+    ],
 )
 def test_expert_settings_without_experts_are_refused(override, key):
     with pytest.raises(ConfigError) as e:

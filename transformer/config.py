@@ -210,7 +210,9 @@ class ModelConfig:
     n_shared_experts: int = 0  # experts every token goes through, beside the routed ones (DeepSeek)
     moe_d_ff: DerivedInt = None  # type: ignore[assignment]  # each expert's width; None: d_ff
     moe_every: int = 1  # layers k-1, 2k-1, ... are MoE, the others dense (n_layers a multiple of k)
-    router: Router = "softmax"  # softmax then top-k, or sigmoid scores (DeepSeek-V3); renormalised when top_k > 1
+    router: Router = "softmax"  # softmax then top-k, or sigmoid scores (DeepSeek-V3)
+    renormalize_gates: bool = True  # top_k > 1: the chosen gates over their sum; false: the scores as they are
+    shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x . w), per token (Qwen2-MoE)
     capacity_factor: float | None = 1.25  # expert slots per row = factor * T * top_k / n_experts; null: dropless
     moe_aux_loss: float = 0.01  # weight of the Switch load-balancing loss (0: off)
     moe_z_loss: float = 0.001  # weight of the router z-loss (ST-MoE; 0: off)
@@ -491,7 +493,13 @@ class ModelConfig:
     def _check_moe(self) -> None:
         _check(self.moe_every >= 1, "moe_every", f"must be >= 1, got {self.moe_every}")
         _check(self.n_experts >= 0, "n_experts", f"must be >= 0 (0: dense), got {self.n_experts}")
+        _check(
+            not self.shared_expert_gate or self.n_shared_experts > 0,
+            "shared_expert_gate",
+            "gates the shared experts' output: set model.n_shared_experts > 0",
+        )
         if not self.n_experts:  # a dense model keeps moe_d_ff null, as exported HF configs do
+            _check(self.renormalize_gates, "renormalize_gates", "is the routed experts' rule: only with n_experts")
             _check(self.moe_d_ff is None, "moe_d_ff", "is an expert's width: set model.n_experts, or leave it out")
             _check(
                 self.n_shared_experts == 0,

@@ -6,9 +6,11 @@ Axis legend, beside layers.py's: E experts, K experts per token (top_k), X slots
 (its capacity), M rows an expert computes (capacity slots of all rows, or assignments sorted by expert).
 
 Routing (`MoE.route`): `softmax` takes the top-k of softmax(logits); `sigmoid` (DeepSeek-V3) the top-k
-of sigmoid(logits). With top_k > 1 the k gates are renormalised to sum to 1; with top-1 the gate is
-the score itself (Switch), because a renormalised single gate is always 1 and the router would learn
-only from the balancing loss.
+of sigmoid(logits). With top_k > 1 the k gates are renormalised to sum to 1 (`renormalize_gates`;
+false: the scores as they are, Qwen-MoE's `norm_topk_prob: false`); with top-1 the gate is the score
+itself (Switch), because a renormalised single gate is always 1 and the router would learn only from
+the balancing loss. Shared experts add their output, times sigmoid(x . w) per token under
+`shared_expert_gate` (Qwen2-MoE).
 
 Dispatch, decided in `MoE.__call__`:
 - capacity (`capacity_factor` set): each row (sequence) is a group; an expert takes at most
@@ -113,6 +115,7 @@ class MoE(nnx.Module):
         shared = cfg.n_shared_experts * F
         # n shared experts are one FFN of n times the width: their hidden units simply add up
         self.shared = FFN(cfg, rngs=rngs, width=shared, experts=True) if shared else None
+        self.shared_gate = normal_param(rngs, (D,), ("embed",), cfg.init_std, cfg) if cfg.shared_expert_gate else None
 
     def route(self, x_BxTxD: jax.Array) -> Routing:
         cfg = self.cfg
@@ -125,7 +128,7 @@ class MoE(nnx.Module):
             scores_BxTxE = jax.nn.sigmoid(logits_BxTxE)
             probs_BxTxE = scores_BxTxE / jnp.sum(scores_BxTxE, axis=-1, keepdims=True)
         gate_BxTxK, expert_BxTxK = jax.lax.top_k(scores_BxTxE, cfg.top_k)
-        if cfg.top_k > 1:
+        if cfg.top_k > 1 and cfg.renormalize_gates:
             gate_BxTxK = gate_BxTxK / jnp.sum(gate_BxTxK, axis=-1, keepdims=True)
         return Routing(logits_BxTxE, probs_BxTxE, expert_BxTxK.astype(jnp.int32), gate_BxTxK)
 
@@ -168,6 +171,17 @@ class MoE(nnx.Module):
         y_BxTxKxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(B, T, K, D)
         return jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, r.gate_BxTxK.astype(dtype))
 
+    def shared_output(self, x_BxTxD: jax.Array) -> jax.Array:
+        """The shared experts' output, times its gate sigmoid(x . w) per token where there is one."""
+        assert self.shared is not None
+        y_BxTxD = self.shared(x_BxTxD)
+        if self.shared_gate is None:
+            return y_BxTxD
+        logit_BxT = jnp.einsum("BTD,D->BT", x_BxTxD, self.shared_gate[...].astype(x_BxTxD.dtype))
+        if self.cfg.parametrization == "mup":  # a readout of d_model to one number, as the router's
+            logit_BxT = logit_BxT * output_multiplier(self.cfg)
+        return jax.nn.sigmoid(logit_BxT)[..., None] * y_BxTxD
+
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         """The FFN output. Sows the routing losses and statistics (`layer_` + each of STEP_METRICS,
         each expert's load, the router's entropy): a few scalars, cheap beside the experts."""
@@ -179,7 +193,7 @@ class MoE(nnx.Module):
             y_BxTxD, kept_BxTxK = self.with_capacity(x_BxTxD, r)
             dropped = 1.0 - jnp.mean(kept_BxTxK.astype(jnp.float32))
         if self.shared is not None:
-            y_BxTxD = y_BxTxD + self.shared(x_BxTxD)
+            y_BxTxD = y_BxTxD + self.shared_output(x_BxTxD)
         load = load_stats(r, cfg.n_experts)
         load_max = jnp.max(jnp.stack([load[f"expert_load_{e}"] for e in range(cfg.n_experts)]))
         stats = {**routing_losses(r, cfg.n_experts), "dropped_fraction": dropped, "expert_load_max": load_max}

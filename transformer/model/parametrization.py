@@ -118,6 +118,7 @@ RULES: dict[str, Scaling] = {
     "w_out": hidden("d_ff", "F,D"),
     "head": OUTPUT,
     "router": OUTPUT,
+    "shared_gate": OUTPUT,  # the shared experts' gate (Qwen2-MoE): d_model in, one number out
     **{name: VECTOR for name in ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias")},
 }
 # ...and where a mixture of experts' FFN differs: its matrices' inner width is the experts'.

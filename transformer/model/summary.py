@@ -39,9 +39,11 @@ def count_params(cfg: ModelConfig) -> int:
     if cfg.arch == "encoder_decoder":
         cross = mha_params(cfg) + (2 if cfg.norm_position == "sandwich" else 1) * norm
         total += L * cross + cfg.n_encoder_layers * per_layer + (norm if cfg.final_norm else 0)
-    # a MoE layer's FFN: the router and E routed plus the shared experts, instead of the dense FFN
+    # a MoE layer's FFN: the router and E routed plus the shared experts (and their gate), instead of
+    # the dense FFN
     n_moe = sum(cfg.moe_layers)
-    total += n_moe * (D * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * expert_params(cfg) - ffn)
+    experts = (cfg.n_experts + cfg.n_shared_experts) * expert_params(cfg) + D * cfg.shared_expert_gate
+    total += n_moe * (D * cfg.n_experts + experts - ffn)
     table = positions_for(cfg).table_shape
     total += math.prod(table) if table is not None else 0
     total += norm if cfg.final_norm else 0
@@ -96,7 +98,13 @@ def _component(path: tuple) -> str:
     if names[0] in ("blocks", "encoder_blocks"):
         return {"attn": "attention", "ffn": "ffn", "cross_attn": "cross-attn"}[names[1]]
     if names[0] == "moe_blocks":
-        moe = {"router": "router", "w_in": "experts", "w_out": "experts", "shared": "shared ffn"}
+        moe = {
+            "router": "router",
+            "w_in": "experts",
+            "w_out": "experts",
+            "shared": "shared ffn",
+            "shared_gate": "shared ffn",
+        }
         return "attention" if names[1] == "attn" else moe[names[2]]
     raise ValueError(f"unclassified parameter {'/'.join(names)}")
 
@@ -143,7 +151,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, target_len: int | None = Non
     matmul_params = L * self_block_matmul_params(cfg) + D * V
     # a MoE layer: the router and the experts a token is routed to (active parameters; a dropped
     # assignment's or an empty capacity slot's work is not useful work)
-    moe_ffn = D * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * expert_params(cfg)
+    moe_ffn = D * (cfg.n_experts + cfg.shared_expert_gate) + (cfg.top_k + cfg.n_shared_experts) * expert_params(cfg)
     matmul_params += sum(cfg.moe_layers) * (moe_ffn - (3 if cfg.gated_ffn else 2) * D * F)
     forward = 2 * matmul_params + L * per_key_flops(cfg) * mean_attended_keys(cfg, T)
     if cfg.arch == "encoder_decoder":
