@@ -88,6 +88,46 @@ FIXTURES = {
         vocab_size=VOCAB,
         tie_word_embeddings=True,
     ),
+    # the MoE families: top-2 of 4 experts, renormalised (Mixtral, Qwen3-MoE here) or not (Qwen2-MoE,
+    # whose first layer is dense and whose shared expert is two experts wide, gated)
+    "mixtral": transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **COMMON,
+    ),
+    "qwen2_moe": transformers.Qwen2MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=48,
+        num_hidden_layers=2,
+        decoder_sparse_step=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        **COMMON,
+    ),
+    "qwen3_moe": transformers.Qwen3MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        **COMMON,
+    ),
 }
 WITH_TOKENIZER = ("llama", "gpt2")
 
@@ -174,6 +214,20 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
     "mistral": dict(window=5, n_kv_heads=1),
     "gpt2": dict(position="learned", norm="layernorm", ffn="gelu", use_bias=True, n_kv_heads=4),
     "gpt2-exact-gelu": dict(position="learned", norm="layernorm", ffn="gelu_exact", use_bias=True, n_kv_heads=4),
+    # mixtures of experts, dropless (as inference computes them)
+    "mixtral": dict(n_experts=4, top_k=2, d_ff=48, capacity_factor=None),
+    "qwen2_moe": dict(
+        n_experts=4,
+        top_k=2,
+        moe_d_ff=24,
+        moe_every=2,
+        renormalize_gates=False,
+        n_shared_experts=2,
+        shared_expert_gate=True,
+        qkv_bias=True,
+        capacity_factor=None,
+    ),
+    "qwen3_moe": dict(n_experts=4, top_k=2, moe_d_ff=24, qk_norm=True, head_dim=16, capacity_factor=None),
 }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT
@@ -23,7 +24,8 @@ from transformer.io import hf
 from transformer.model import Transformer
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = FAMILIES[-3:]
 
 
 def _params(model) -> dict:
@@ -36,6 +38,33 @@ def test_logits_equal_transformers(family):
     m, model = hf.load_model(FIXTURES / family)
     logits = np.asarray(model(ref["input_ids"]))[..., : m.vocab_size]
     np.testing.assert_allclose(logits, ref["logits"], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_imported_mixtures_of_experts_decode_from_the_cache_as_the_full_forward(family):
+    """Whatever capacity the run trains with, the imported model computes HF's dropless function
+    (load_model's, as every inference path's), and cached decoding equals it."""
+    from test_generate import prefill_then_decode
+
+    ref = load_file(str(FIXTURES / family / "reference.safetensors"))
+    m, model = hf.load_model(FIXTURES / family)
+    assert m.capacity_factor == 1.25 and model.cfg.capacity_factor is None  # the run's, and inference's
+    tokens = jnp.asarray(ref["input_ids"][:, :16], jnp.int32)
+    full = np.asarray(model(tokens))
+    np.testing.assert_allclose(prefill_then_decode(*nnx.split(model), tokens, 5), full, atol=2e-5, rtol=2e-5)
+
+
+def test_the_moe_fixtures_need_their_conventions():
+    """Without Qwen2-MoE's shared-expert gate, or with Qwen3-MoE's gates left unnormalised, the
+    fixtures' logits are far off: the tests above pin both conventions down."""
+    for family, change in (("qwen2_moe", dict(shared_expert_gate=False)), ("qwen3_moe", dict(renormalize_gates=False))):
+        ref = load_file(str(FIXTURES / family / "reference.safetensors"))
+        m, model = hf.load_model(FIXTURES / family)
+        params = _params(model)
+        params["moe_blocks"]["ffn"].pop("shared_gate", None)
+        other = Transformer(dataclasses.replace(model.cfg, **change), rngs=nnx.Rngs(0))
+        nnx.update(other, params)
+        assert np.abs(np.asarray(other(ref["input_ids"]))[..., : m.vocab_size] - ref["logits"]).max() > 1e-2, family
 
 
 def test_llama3_rope_scaling_matters_in_the_fixture():
@@ -69,6 +98,12 @@ EXPORTABLE = {
     "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qk_norm=True, head_dim=16),
     "gpt2": dict(position="learned", norm="layernorm", ffn="gelu_exact", use_bias=True, n_kv_heads=4),
+    "mixtral": dict(n_experts=4, top_k=2, window=5),
+    "qwen2_moe": dict(
+        n_experts=4, top_k=2, moe_every=2, n_shared_experts=1, shared_expert_gate=True, qkv_bias=True, moe_d_ff=24
+    ),
+    "qwen3_moe": dict(n_experts=4, top_k=1, qk_norm=True, renormalize_gates=True, moe_aux_loss=0.1),
+    "qwen3_moe-unnormalised": dict(n_experts=4, top_k=2, qk_norm=True, renormalize_gates=False),
 }
 
 
@@ -110,6 +145,11 @@ def test_a_sharded_checkpoint_reads_as_the_single_file(tmp_path):
         (dict(window=4, qk_norm=True), "model.window=4: HF qwen3 has no such option"),
         (dict(arch="encoder"), "model.arch=encoder"),
         (dict(arch="encoder_decoder"), "model.arch=encoder_decoder"),
+        (dict(n_experts=4, top_k=2, router="sigmoid"), "model.router=sigmoid: HF mixtral has no such option"),
+        (dict(n_experts=4, top_k=2, renormalize_gates=False), "model.renormalize_gates=False: HF mixtral"),
+        (dict(n_experts=4, n_shared_experts=1, qkv_bias=True), "model.shared_expert_gate=False: HF qwen2_moe"),
+        (dict(n_experts=4, top_k=2, moe_d_ff=24), "model.moe_d_ff=24: HF mixtral"),
+        (dict(n_experts=4, top_k=1), "model.top_k=1: HF mixtral renormalises"),
     ],
 )
 def test_export_of_a_variant_without_hf_equivalent_is_refused_in_one_line(kw, says, tmp_path):
@@ -142,6 +182,10 @@ def _edited_fixture(tmp_path, family: str, **changes):
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ("gpt2", {"activation_function": "swish"}, "activation_function"),
+        ("mixtral", {"num_experts_per_tok": 1}, "num_experts_per_tok"),
+        ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ("qwen3_moe", {"num_experts_per_tok": 1}, "norm_topk_prob"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 50}, "shared_expert_intermediate_size"),
     ],
 )
 def test_unsupported_config_json_is_refused_naming_the_field(family, changes, field, tmp_path):

@@ -63,9 +63,11 @@ def _refuse(field: str, message: str) -> HFError:
 # other key describes the function it computes: a family's config.json sets some, and the rest must
 # be at their defaults (so a key added to ModelConfig later is refused by every family until one
 # sets it).
+# A mixture of experts' capacity is training's too (inference computes it without drops, as the MoE
+# families' code does: ModelConfig.at_inference), and so are its routing losses.
 FREE = (
     "max_seq_len ffn_multiple vocab_multiple attention_impl dropout attn_dropout init_std init_depth_scaled "
-    "param_dtype dtype scan_layers scan_unroll remat init_from"
+    "param_dtype dtype scan_layers scan_unroll remat init_from capacity_factor moe_aux_loss moe_z_loss"
 ).split()
 ARCHITECTURE = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in FREE]
 
@@ -200,6 +202,48 @@ def _qwen3_keys(hf: dict) -> dict:
     return _llama_keys(hf) | dict(qk_norm=True)
 
 
+def _mixtral_keys(hf: dict) -> dict:
+    """Mistral's decoder with every FFN a softmax top-k mixture of `intermediate_size` experts."""
+    top_k = _positive(hf, "num_experts_per_tok", 2)
+    if top_k == 1:
+        raise _refuse("num_experts_per_tok", "1: Mixtral renormalises a lone gate to 1; this model's is the router's")
+    keys = _mistral_keys(hf)
+    return keys | dict(n_experts=_positive(hf, "num_local_experts", 8), top_k=top_k, moe_d_ff=keys["d_ff"])
+
+
+def _qwen_moe_keys(hf: dict) -> dict:
+    """The routed experts of Qwen2-MoE and Qwen3-MoE: softmax top-k, renormalised or not, of
+    `moe_intermediate_size`, in every `decoder_sparse_step`-th layer (the others dense, of
+    `intermediate_size`)."""
+    if _field(hf, "mlp_only_layers", []) != []:
+        raise _refuse("mlp_only_layers", "dense layers at chosen indices: here every decoder_sparse_step-th is MoE")
+    top_k, norm = _positive(hf, "num_experts_per_tok"), _flag(hf, "norm_topk_prob", False)
+    if top_k == 1 and norm:
+        raise _refuse("norm_topk_prob", "true with one expert per token makes its gate 1; this model's is the router's")
+    return dict(
+        n_experts=_positive(hf, "num_experts" if "num_experts" in hf else "num_local_experts"),
+        top_k=top_k,
+        moe_d_ff=_positive(hf, "moe_intermediate_size"),
+        moe_every=_positive(hf, "decoder_sparse_step", 1),
+        renormalize_gates=norm or top_k == 1,
+    )
+
+
+def _qwen2_moe_keys(hf: dict) -> dict:
+    """Qwen2's decoder with Qwen MoE layers, and beside the routed experts a gated shared one."""
+    keys = _qwen2_keys(hf) | _qwen_moe_keys(hf) | dict(qkv_bias=_flag(hf, "qkv_bias", True))
+    shared, width = _positive(hf, "shared_expert_intermediate_size"), keys["moe_d_ff"]
+    if shared % width:
+        raise _refuse(
+            "shared_expert_intermediate_size", f"{shared} is not a multiple of moe_intermediate_size ({width})"
+        )
+    return keys | dict(n_shared_experts=shared // width, shared_expert_gate=True)
+
+
+def _qwen3_moe_keys(hf: dict) -> dict:
+    return _qwen3_keys(hf) | _qwen_moe_keys(hf)
+
+
 def _gpt2_keys(hf: dict) -> dict:
     for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
         if _flag(hf, name, False):
@@ -279,6 +323,25 @@ def _qwen_json(m: ModelConfig) -> dict:
     }
 
 
+def _mixtral_json(m: ModelConfig) -> dict:
+    return _mistral_json(m) | {"num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k}
+
+
+def _qwen_moe_json(m: ModelConfig) -> dict:
+    return _qwen_json(m) | {
+        "num_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.moe_d_ff,
+        "decoder_sparse_step": m.moe_every,
+        "mlp_only_layers": [],
+        "norm_topk_prob": m.renormalize_gates and m.top_k > 1,
+    }
+
+
+def _qwen2_moe_json(m: ModelConfig) -> dict:
+    return _qwen_moe_json(m) | {"shared_expert_intermediate_size": m.n_shared_experts * m.moe_d_ff}
+
+
 def _gpt2_json(m: ModelConfig) -> dict:
     return {
         "n_embd": m.d_model,
@@ -313,7 +376,8 @@ def _as_list(m: ModelConfig, x: np.ndarray) -> Arrays:
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """A parameter of ours (its path in the parameter dict, "/"-joined) made of the HF tensors `names`
-    ("{l}" in them: one set per layer of a layer-stacked parameter), and the exact conversions."""
+    ("{l}" in them: one set per layer of a layer-stacked parameter; "{e}": one set per expert, in
+    expert order), and the exact conversions."""
 
     path: str
     names: tuple[str, ...]
@@ -324,8 +388,10 @@ class Rule:
     def per_layer(self) -> bool:
         return "{l}" in self.names[0]
 
-    def hf_names(self, layer: int | None) -> list[str]:
-        return [n.format(l=layer) for n in self.names]
+    def hf_names(self, layer: int | None, experts: int = 0) -> list[str]:
+        if "{e}" not in self.names[0]:
+            return [n.format(l=layer) for n in self.names]
+        return [n.format(l=layer, e=e) for e in range(experts) for n in self.names]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,10 +403,24 @@ class Layout:
     strip: str = ""  # a prefix some checkpoints of the family leave out (GPT-2: "transformer.")
 
     def rule(self, path: str) -> Rule:
-        for rule in self.rules:
-            if rule.path == path:
-                return rule
+        """The rule of `path`; a MoE layer's attention and norms are those of any layer."""
+        for name in (path, re.sub(r"^moe_blocks/", "blocks/", path)):
+            for rule in self.rules:
+                if rule.path == name:
+                    return rule
         raise AssertionError(f"no {path} in the layout: a parameter the family cannot hold was built")
+
+
+def stack_layers(m: ModelConfig, stack: str) -> list[int]:
+    """The model's layer indices a layer stack holds, in order: the MoE layers in `moe_blocks`, the
+    others in `blocks` (all of them in a dense model)."""
+    return [i for i, moe in enumerate(m.moe_layers) if moe == (stack == "moe_blocks")]
+
+
+def tensor_names(m: ModelConfig, rule: Rule, path: str, index: int | None) -> list[str]:
+    """The HF tensors of parameter `path` (of its stack's layer `index`, where it is per layer)."""
+    layer = None if index is None else stack_layers(m, path.split("/")[0])[index]
+    return rule.hf_names(layer, m.n_experts)
 
 
 def _pad_vocab(m: ModelConfig, xs: Arrays) -> np.ndarray:
@@ -447,6 +527,73 @@ LLAMA = Layout(
 )
 
 
+def _experts_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """Each expert's gate and up [F, D] -> E x D x 2 x F."""
+    return np.stack([_gate_up_in(m, xs[i : i + 2]) for i in range(0, len(xs), 2)])
+
+
+def _experts_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [x for expert in w for x in _gate_up_out(m, expert)]
+
+
+def _experts_down_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """Each expert's down projection [D, F] -> E x F x D."""
+    return np.stack([x.T for x in xs])
+
+
+def _experts_down_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [expert.T for expert in w]
+
+
+def _row(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """A one-output linear [1, D] -> D."""
+    return xs[0].reshape(-1)
+
+
+def _row_out(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return [x[None]]
+
+
+_X = _L + "block_sparse_moe."
+MIXTRAL = Layout(
+    (
+        *LLAMA.rules,
+        Rule("moe_blocks/ffn/router", (_X + "gate.weight",), _transposed, _transpose_back),
+        Rule(
+            "moe_blocks/ffn/w_in",
+            (_X + "experts.{e}.w1.weight", _X + "experts.{e}.w3.weight"),
+            _experts_in,
+            _experts_out,
+        ),
+        Rule("moe_blocks/ffn/w_out", (_X + "experts.{e}.w2.weight",), _experts_down_in, _experts_down_out),
+    ),
+    ignored=LLAMA.ignored,
+)
+_M = _L + "mlp."
+QWEN_MOE = Layout(
+    (
+        *LLAMA.rules,
+        Rule("moe_blocks/ffn/router", (_M + "gate.weight",), _transposed, _transpose_back),
+        Rule(
+            "moe_blocks/ffn/w_in",
+            (_M + "experts.{e}.gate_proj.weight", _M + "experts.{e}.up_proj.weight"),
+            _experts_in,
+            _experts_out,
+        ),
+        Rule("moe_blocks/ffn/w_out", (_M + "experts.{e}.down_proj.weight",), _experts_down_in, _experts_down_out),
+        Rule(
+            "moe_blocks/ffn/shared/w_in",
+            (_M + "shared_expert.gate_proj.weight", _M + "shared_expert.up_proj.weight"),
+            _gate_up_in,
+            _gate_up_out,
+        ),
+        Rule("moe_blocks/ffn/shared/w_out", (_M + "shared_expert.down_proj.weight",), _transposed, _transpose_back),
+        Rule("moe_blocks/ffn/shared_gate", (_M + "shared_expert_gate.weight",), _row, _row_out),
+    ),
+    ignored=LLAMA.ignored,
+)
+
+
 def _c_attn_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
     """GPT-2's fused Conv1D [D, 3*N*H] (q, k, v) -> D x N x 3 x H (K = N, G = 1)."""
     D, N, H = m.d_model, m.n_heads, m.head_dim
@@ -521,6 +668,9 @@ FAMILIES = {
         Family("mistral", "MistralForCausalLM", _mistral_keys, _mistral_json, LLAMA),
         Family("qwen2", "Qwen2ForCausalLM", _qwen2_keys, _qwen_json, LLAMA),
         Family("qwen3", "Qwen3ForCausalLM", _qwen3_keys, _qwen_json, LLAMA),
+        Family("mixtral", "MixtralForCausalLM", _mixtral_keys, _mixtral_json, MIXTRAL),
+        Family("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2_moe_keys, _qwen2_moe_json, QWEN_MOE),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_keys, _qwen_moe_json, QWEN_MOE),
     )
 }
 
@@ -716,9 +866,8 @@ def _unflatten(flat: dict[str, Any]) -> dict:
     return tree
 
 
-def _converted(ckpt: Checkpoint, rule: Rule, m: ModelConfig, layer: int | None, like: jax.ShapeDtypeStruct):
-    """The value of `rule`'s parameter (one layer's slice of it) from the checkpoint, as `like`."""
-    names = rule.hf_names(layer)
+def _converted(ckpt: Checkpoint, rule: Rule, m: ModelConfig, names: list[str], like: jax.ShapeDtypeStruct):
+    """The value of `rule`'s parameter (one layer's slice of it) from the tensors `names`, as `like`."""
     xs = [ckpt.get(n) for n in names]
     # Conversions only move values (zero padding is +0.0's bits): on unsigned integers of the same
     # width they are exact, and fast for the dtypes numpy only knows through ml_dtypes (bfloat16).
@@ -744,21 +893,22 @@ def host_array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw[start : start + size].view(dtype).reshape(shape)
 
 
-def _load_one(ckpt: Checkpoint, rule: Rule, m: ModelConfig, like: jax.ShapeDtypeStruct) -> jax.Array:
-    """One parameter, placed as `like.sharding` says. A layer-stacked one is assembled a layer at a
+def _load_one(ckpt: Checkpoint, path: str, m: ModelConfig, like: jax.ShapeDtypeStruct) -> jax.Array:
+    """Parameter `path`, placed as `like.sharding` says. A layer-stacked one is assembled a layer at a
     time in the host array the device array is made from (the device's own memory, on a CPU)."""
+    rule = ckpt.layout.rule(path)
     if rule.per_layer:
-        for layer in range(like.shape[0]):  # every layer's tensors there, before the stack's memory is taken
-            for n in rule.hf_names(layer):
-                ckpt.name(n)
+        names = [tensor_names(m, rule, path, j) for j in range(like.shape[0])]
+        for n in (n for layer in names for n in layer):  # all there, before the stack's memory is taken
+            ckpt.name(n)
         layer_like = jax.ShapeDtypeStruct(like.shape[1:], like.dtype)
-        first = _converted(ckpt, rule, m, 0, layer_like)  # and of the size config.json says
+        first = _converted(ckpt, rule, m, names[0], layer_like)  # and of the size config.json says
         host = host_array(like.shape, like.dtype)
         host[0] = first
-        for layer in range(1, like.shape[0]):
-            host[layer] = _converted(ckpt, rule, m, layer, layer_like)
+        for j in range(1, like.shape[0]):
+            host[j] = _converted(ckpt, rule, m, names[j], layer_like)
     else:
-        host = _converted(ckpt, rule, m, None, like)
+        host = _converted(ckpt, rule, m, tensor_names(m, rule, path, None), like)
     return jax.make_array_from_callback(like.shape, like.sharding, lambda index: host[index])
 
 
@@ -766,14 +916,14 @@ def load_params(path: Path, m: ModelConfig, abstract: dict) -> dict:
     """The checkpoint at `path` as this model's parameters: `abstract` is the parameter dict of
     ShapeDtypeStructs (with shardings) to fill, for `m` resolved from the same checkpoint."""
     ckpt = Checkpoint(path, family_of(read_config_json(path)).layout)
-    flat = {key: _load_one(ckpt, ckpt.layout.rule(key), m, like) for key, like in _flatten(abstract).items()}
+    flat = {key: _load_one(ckpt, key, m, like) for key, like in _flatten(abstract).items()}
     ckpt.check_all_read()
     return _unflatten(flat)
 
 
 # --- writing a checkpoint -----------------------------------------------------------------------------
 
-NO_EQUIVALENT = "none of the Hugging Face families here (gpt2, llama, mistral, qwen2, qwen3)"
+NO_EQUIVALENT = "none of the Hugging Face families here (gpt2, llama, mistral, qwen2, qwen3 and their MoE kin)"
 
 
 def _family_candidate(m: ModelConfig) -> Family:
@@ -788,6 +938,10 @@ def _family_candidate(m: ModelConfig) -> Family:
             f"model.ffn={m.ffn}: GPT-2 (learned positions) has a plain MLP (gelu, gelu_exact, relu)",
         ),
         (
+            m.n_experts > 0 and m.top_k == 1 and not (m.qk_norm or m.n_shared_experts),
+            "model.top_k=1: HF mixtral renormalises a lone gate to 1, where this model's is the router's probability",
+        ),
+        (
             m.position == "rope" and not m.gated_ffn,
             f"model.ffn={m.ffn}: the RoPE families (llama, mistral, qwen2, qwen3) have a gated FFN",
         ),
@@ -797,6 +951,8 @@ def _family_candidate(m: ModelConfig) -> Family:
             raise HFError("--export-hf", why)
     if m.position == "learned":
         return FAMILIES["gpt2"]
+    if m.n_experts:  # what each family cannot hold (a sigmoid router, ...) its config.json round trip names
+        return FAMILIES["qwen3_moe" if m.qk_norm else "qwen2_moe" if m.n_shared_experts else "mixtral"]
     if m.qk_norm:
         return FAMILIES["qwen3"]
     if m.qkv_bias and not m.use_bias:
@@ -834,9 +990,10 @@ def hf_tensors(m: ModelConfig, family: Family, params: dict) -> dict[str, np.nda
     for key, leaf in _flatten(params).items():
         rule = family.layout.rule(key)
         host = np.asarray(jax.device_get(leaf))
-        for layer in range(host.shape[0]) if rule.per_layer else [None]:
-            values = rule.to_hf(m, host if layer is None else host[layer])
-            tensors.update({n: np.ascontiguousarray(v) for n, v in zip(rule.hf_names(layer), values)})
+        for j in range(host.shape[0]) if rule.per_layer else [None]:
+            values = rule.to_hf(m, host if j is None else host[j])
+            names = tensor_names(m, rule, key, j)
+            tensors.update({n: np.ascontiguousarray(v) for n, v in zip(names, values)})
     return tensors
 
 
@@ -913,7 +1070,8 @@ def abstract_params(m: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> di
 def load_model(path: str | Path, **options: Any):
     """(ModelConfig, Transformer) of the checkpoint at `path`, on one device. For notebooks and tests:
     `m, model = load_model("Qwen3-0.6B")`; `model(tokens)` gives logits, computed in float32 unless
-    `dtype="bfloat16"` is given (a bare ModelConfig's `auto` computes as a CPU does)."""
+    `dtype="bfloat16"` is given (a bare ModelConfig's `auto` computes as a CPU does); a mixture of
+    experts without drops, as inference computes it (`ModelConfig.at_inference`)."""
     from flax import nnx
 
     from transformer.model import Transformer
@@ -921,7 +1079,7 @@ def load_model(path: str | Path, **options: Any):
     path = Path(path).expanduser()
     m = model_config(path, **options)
     params = load_params(path, m, abstract_params(m))
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(m.at_inference, rngs=nnx.Rngs(0))))
     return m, nnx.merge(graphdef, params)
 
 
