@@ -207,6 +207,7 @@ def perturbed(model, seed: int):
 OURS = {  # exportable kinds of this framework's model -> the family they export as
     "llama": dict(),
     "llama-geglu-mha-untied": dict(ffn="geglu", n_kv_heads=4, tie_embeddings=False),
+    "llama-erf-geglu": dict(ffn="geglu_exact"),
     "llama-biases": dict(use_bias=True),
     "llama-linear-rope": dict(rope_scaling="linear", rope_factor=4.0),
     "qwen2": dict(qkv_bias=True),

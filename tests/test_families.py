@@ -1,6 +1,7 @@
 """The encoder and encoder-decoder families: who depends on whom (by gradient), cached decoding,
 the scan, the attention implementations, generation and the closed-form summary."""
 
+import dataclasses
 import functools
 import math
 
@@ -319,6 +320,7 @@ def test_deepnorm_takes_the_encoder_decoder_constants_of_the_paper():
         dict(n_kv_heads=2, norm_position="sandwich"),
         dict(use_bias=True, norm="layernorm", qk_norm=True, norm_position="post"),
         dict(tie_embeddings=False, position="learned", n_kv_heads=1, ffn="swiglu", norm_position="deepnorm"),
+        dict(embedding_norm=True, norm="layernorm", position="learned", norm_position="post"),
     ],
 )
 def test_closed_form_parameters_equal_the_tree_for_each_family(arch, kw):
@@ -384,3 +386,26 @@ def test_cache_bytes_per_token_are_what_the_cache_holds():
     text = summary_text(cfg, 16)
     assert f"cross-attention cache per input token: {cross_cache_bytes_per_source_token(cfg):,} bytes" in text
     assert "KV cache: none" in summary_text(encoder(), 16)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder_decoder"])
+def test_the_embedding_norm_sits_on_the_embeddings_after_the_positions(arch):
+    """model.embedding_norm: the embeddings with their positions reach the blocks normalised, so
+    scaling the token and position tables together changes no logit (the head untied); each stack of
+    an encoder-decoder has its own norm."""
+    cfg = tiny(arch=arch, embedding_norm=True, position="learned", tie_embeddings=False, norm="layernorm")
+    model = build(cfg)
+    tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, cfg.vocab_size)
+    extra = {"encoder_tokens_BxS": tokens[:, ::-1]} if arch == "encoder_decoder" else {}
+    before = np.asarray(model(tokens, **extra))
+    for table in (model.embed, model.pos_embed):
+        table[...] = table[...] * 7.0
+    np.testing.assert_allclose(np.asarray(model(tokens, **extra)), before, atol=1e-4, rtol=1e-4)
+    plain = build(dataclasses.replace(cfg, embedding_norm=False))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    nnx.update(plain, {k: v for k, v in params.items() if "embed_norm" not in k})
+    assert np.abs(np.asarray(plain(tokens, **extra)) - before).max() > 1e-3  # without it the scale shows
+    if arch == "encoder_decoder":  # the encoder's own: its bias moves the logits, through the memory
+        bias = model.encoder_embed_norm.bias
+        bias[...] = jax.random.normal(jax.random.key(1), bias[...].shape)
+        assert np.abs(np.asarray(model(tokens, **extra)) - before).max() > 1e-3

@@ -93,6 +93,7 @@ def test_import_then_export_gives_byte_identical_tensors(family, tmp_path):
 EXPORTABLE = {
     "llama": dict(),
     "llama-untied-biases-geglu": dict(tie_embeddings=False, use_bias=True, ffn="geglu"),
+    "llama-erf-geglu": dict(ffn="geglu_exact"),
     "llama-llama3-rope": dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=32),
     "mistral": dict(window=5, n_kv_heads=1),
     "qwen2": dict(qkv_bias=True),
@@ -177,7 +178,7 @@ def _edited_fixture(tmp_path, family: str, **changes):
     [
         ("llama", {"model_type": "falcon"}, "model_type"),
         ("llama", {"rope_parameters.rope_type": "yarn"}, "rope_parameters.rope_type"),
-        ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+        ("llama", {"hidden_act": "quick_gelu"}, "hidden_act"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),

@@ -142,6 +142,8 @@ ACTS = {
     "swiglu": lambda g, u: g / (1 + np.exp(-g)) * u,
     "geglu": lambda g, u: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u,
     "reglu": lambda g, u: np.maximum(g, 0) * u,
+    "gelu_exact": lambda g, u: 0.5 * g * (1 + np.vectorize(math.erf)(g / np.sqrt(2))),
+    "geglu_exact": lambda g, u: 0.5 * g * (1 + np.vectorize(math.erf)(g / np.sqrt(2))) * u,
 }
 
 

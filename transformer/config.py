@@ -32,8 +32,8 @@ GLOBAL_WINDOW = 2**30
 
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post", "sandwich", "deepnorm"]
-Ffn = Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu", "reglu"]
-GATED_FFNS = ("swiglu", "geglu", "reglu")
+Ffn = Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu", "geglu_exact", "reglu"]
+GATED_FFNS = ("swiglu", "geglu", "geglu_exact", "reglu")
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
 RopeScaling = Literal["none", "linear", "llama3"]
 AttentionImpl = Literal["xla", "einsum", "cudnn", "blocked", "auto"]  # auto: accelerator.choose_attention decides
@@ -176,6 +176,7 @@ class ModelConfig:
     norm: Norm = "rmsnorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
+    embedding_norm: bool = False  # a norm on the embeddings, positions added (BERT, BART); each stack its own
     ffn: Ffn = "swiglu"
     use_bias: bool = False  # biases on every projection (GPT-2)
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2); implied by use_bias

@@ -142,7 +142,13 @@ def _rope_keys(hf: dict) -> dict:
     raise _refuse(f"{where}.rope_type", f"{kind!r} is not supported (default, linear, llama3)")
 
 
-GATED_ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu", "relu": "reglu"}
+GATED_ACTIVATIONS = {
+    "silu": "swiglu",
+    "gelu_pytorch_tanh": "geglu",
+    "gelu_new": "geglu",
+    "gelu": "geglu_exact",
+    "relu": "reglu",
+}
 MLP_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact", "relu": "relu"}
 
 

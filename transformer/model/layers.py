@@ -237,7 +237,8 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": gelu_tanh,  # tanh approximation, as in GPT-2
     "gelu_exact": functools.partial(jax.nn.gelu, approximate=False),  # erf, as torch's default GELU
     "swiglu": jax.nn.silu,
-    "geglu": jax.nn.gelu,
+    "geglu": jax.nn.gelu,  # tanh, as Gemma's and HF's gelu_pytorch_tanh
+    "geglu_exact": functools.partial(jax.nn.gelu, approximate=False),  # erf, as ModernBERT's
     "reglu": jax.nn.relu,
 }
 

@@ -47,6 +47,7 @@ def count_params(cfg: ModelConfig) -> int:
     table = positions_for(cfg).table_shape
     total += math.prod(table) if table is not None else 0
     total += norm if cfg.final_norm else 0
+    total += norm * (1 + (cfg.arch == "encoder_decoder")) if cfg.embedding_norm else 0
     total += 0 if cfg.tie_embeddings else D * V
     return total
 

@@ -350,12 +350,18 @@ class Transformer(nnx.Module):
             _stacked_blocks(cfg, rngs, cfg.n_encoder_layers, encoder_stack=True) if encoder_decoder else None
         )
         self.encoder_norm = Norm(cfg) if encoder_decoder and cfg.final_norm else None
+        self.embed_norm = Norm(cfg) if cfg.embedding_norm else None
+        self.encoder_embed_norm = Norm(cfg) if cfg.embedding_norm and encoder_decoder else None
 
-    def embed_tokens(self, tokens_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-        """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds."""
+    def embed_tokens(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, encoder: bool = False) -> jax.Array:
+        """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds, then
+        the stack's embedding norm (`model.embedding_norm`; an encoder-decoder's `encoder` has its own)."""
         x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
         table_PxD = None if self.pos_embed is None else self.pos_embed[...]
         x_BxTxD = self.positions.add_to_embeddings(x_BxTxD, positions_BxT, table_PxD)
+        norm = self.encoder_embed_norm if encoder else self.embed_norm
+        if norm is not None:
+            x_BxTxD = norm(x_BxTxD)
         if self.cfg.mup_input_alpha != 1.0:  # µP's tuned alpha_input (model/parametrization.py)
             x_BxTxD = x_BxTxD * jnp.asarray(self.cfg.mup_input_alpha, x_BxTxD.dtype)
         return x_BxTxD
@@ -449,7 +455,7 @@ class Transformer(nnx.Module):
         embed_key = block_key = None
         if key is not None:
             embed_key, block_key = jax.random.split(key)
-        x_BxSxD = dropout(self.embed_tokens(tokens_BxS, positions_BxS), self.cfg.dropout, embed_key)
+        x_BxSxD = dropout(self.embed_tokens(tokens_BxS, positions_BxS, encoder=True), self.cfg.dropout, embed_key)
         return self.run_encoder(x_BxSxD, positions_BxS, segment_ids_BxS, block_key, collect)
 
     def _memory(
