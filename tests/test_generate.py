@@ -1,5 +1,6 @@
 """KV-cache decoding equals the full forward pass; generation, padding, windows, sampling."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -69,6 +70,7 @@ def test_pattern_caches_have_per_layer_sizes():
     cache = build(cfg).init_cache(1, 50)
     assert [layer["k"].shape[1] for layer in cache] == [4, 50]
     check_cached_equals_full(cfg, T=30, prefill=3)
+    check_cached_equals_full(dataclasses.replace(cfg, rope_local_theta=50.0), T=30, prefill=3)  # Gemma 3's thetas
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])

@@ -26,8 +26,13 @@ def with_config(model, cfg):
 
 @pytest.mark.parametrize(
     "extra",
-    [dict(), dict(window=3, attention_pattern=("local", "global"), n_layers=3), dict(position="alibi", n_kv_heads=1)],
-    ids=["default", "pattern", "alibi-mqa"],
+    [
+        dict(),
+        dict(window=3, attention_pattern=("local", "global"), n_layers=3),
+        dict(window=3, attention_pattern=("local", "global"), n_layers=3, rope_local_theta=40.0),
+        dict(position="alibi", n_kv_heads=1),
+    ],
+    ids=["default", "pattern", "pattern-local-theta", "alibi-mqa"],
 )
 @pytest.mark.parametrize("unroll", [dict(scan_layers=False), dict(scan_unroll=2), dict(scan_unroll=8)])
 def test_scan_equals_unrolled(extra, unroll):
@@ -37,6 +42,24 @@ def test_scan_equals_unrolled(extra, unroll):
     unrolled = with_config(scanned, dataclasses.replace(cfg, **unroll))
     tokens = tokens_for(cfg)
     np.testing.assert_allclose(scanned(tokens), unrolled(tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_windowed_layer_rotates_by_the_local_theta(scan_layers):
+    """model.rope_local_theta: a layer with a window rotates by it, one without by rope_theta. With
+    a window longer than the sequence, a local layer computes what a global one of that theta does;
+    in a local/global pattern (the windows traced when scanned) likewise, layer by layer."""
+    T, far = 8, 64
+    kw = dict(scan_layers=scan_layers, rope_theta=10000.0)
+    one = build(tiny(n_layers=1, window=far, rope_local_theta=50.0, **kw))
+    same = with_config(one, tiny(n_layers=1, rope_theta=50.0, scan_layers=scan_layers))
+    tokens = tokens_for(one.cfg, T=T)
+    np.testing.assert_array_equal(np.asarray(one(tokens)), np.asarray(same(tokens)))
+    pattern = build(tiny(window=far, attention_pattern=("local", "global"), rope_local_theta=50.0, **kw))
+    plain = with_config(pattern, tiny(window=far, attention_pattern=("local", "global"), **kw))
+    assert np.abs(np.asarray(pattern(tokens)) - np.asarray(plain(tokens))).max() > 1e-4
+    swapped = with_config(pattern, tiny(window=far, attention_pattern=("global", "local"), rope_local_theta=50.0, **kw))
+    assert np.abs(np.asarray(pattern(tokens)) - np.asarray(swapped(tokens))).max() > 1e-4  # per layer
 
 
 def test_jit_equals_eager():

@@ -166,6 +166,7 @@ class ModelConfig:
     attn_scale: float | None = None  # None: 1/sqrt(qk_head_dim), the width of a query/key head
     position: Position = "rope"
     rope_theta: float = 10000.0
+    rope_local_theta: float | None = None  # theta of the layers with a window (Gemma 3, ModernBERT); null: rope_theta
     # RoPE frequencies stretched for longer contexts: linear divides all by rope_factor; llama3
     # (Llama 3.1) divides the low ones, keeps the high ones, and blends between (see positions.py)
     rope_scaling: RopeScaling = "none"
@@ -396,6 +397,10 @@ class ModelConfig:
                 "attention_pattern",
                 "a per-layer pattern needs model.window for its local layers",
             )
+        if self.rope_local_theta is not None:
+            _check(self.position == "rope", "rope_local_theta", "is RoPE's: set model.position=rope")
+            _check(self.rope_local_theta > 0, "rope_local_theta", f"must be > 0, got {self.rope_local_theta}")
+            _check(self.window is not None, "rope_local_theta", "is the windowed layers' theta: set model.window")
 
     def _check_scalars(self) -> None:
         for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "norm_eps", "init_std"):

@@ -17,11 +17,8 @@ from flax import nnx
 from transformer.config import ModelConfig
 from transformer.model.flash import Mask, blocked_attention
 from transformer.model.layers import InitScales, Norm, const_param, dropout, normal_param
-from transformer.model.positions import positions_for
+from transformer.model.positions import Window, positions_for
 
-# A layer's sliding window: a size, None (full causal attention), or a traced size inside the layer
-# scan over a per-layer pattern.
-Window = int | jax.Array | None
 # One layer's KV cache: "k" and "v" [B, S, K, H] and "pos" [B, S] (-1: an empty slot).
 KVCache = dict[str, jax.Array]
 
@@ -183,7 +180,7 @@ class Attention(nnx.Module):
         each other, and keys with position -1 (empty slots, left padding) are never attended to.
         With `collect`, the attention statistics are sown (see `sow_stats`).
         """
-        q_BxTxKxGxH, entries = self.project(x_BxTxD, positions_BxT)
+        q_BxTxKxGxH, entries = self.project(x_BxTxD, positions_BxT, window)
         if cache is not None and not collect:  # decoding: never dropout
             decoded_BxTxNxH, updated = self.attend_cached(q_BxTxKxGxH, entries, positions_BxT, window, cache, index)
             return self.output(decoded_BxTxNxH, x_BxTxD.dtype), updated
@@ -225,9 +222,10 @@ class Attention(nnx.Module):
         """An empty cache of `size` entries for this layer (what it holds is the variant's choice)."""
         return init_cache(self.cfg, batch, size)
 
-    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, KVCache]:
+    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, window: Window = None) -> tuple[jax.Array, KVCache]:
         """(q [B, T, K, G, H], the entries a cache keeps of each token: k and v [B, T, K, H]): the
-        fused projection, qk-norm, and the rotation the position scheme applies to queries and keys.
+        fused projection, qk-norm, and the rotation the position scheme applies to queries and keys
+        (in a layer with `window`).
         (MLA keeps its latent and shared rope key instead; its `kv_of` expands them.)"""
         G = self.cfg.n_kv_groups
         qkv_BxTxKxCxH = self.fused(x_BxTxD, slice(None))
@@ -238,8 +236,8 @@ class Attention(nnx.Module):
             q_BxTxKxGxH = self.q_norm(q_BxTxKxGxH)
         if self.k_norm is not None:
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
-        q_BxTxKxGxH = self.positions.rotate(q_BxTxKxGxH, positions_BxT)
-        k_BxTxKxH = self.positions.rotate(k_BxTxKxH, positions_BxT)
+        q_BxTxKxGxH = self.positions.rotate(q_BxTxKxGxH, positions_BxT, window)
+        k_BxTxKxH = self.positions.rotate(k_BxTxKxH, positions_BxT, window)
         return q_BxTxKxGxH, {"k": k_BxTxKxH, "v": v_BxTxKxH}
 
     def fused(self, x_BxTxD: jax.Array, parts: slice) -> jax.Array:

@@ -41,14 +41,13 @@ from transformer.model.attention import (
     Attention,
     Keys,
     KVCache,
-    Window,
     cached_and_new,
     position_mask,
     scaled_and_capped,
     write_cache,
 )
 from transformer.model.layers import InitScales, Norm, normal_param
-from transformer.model.positions import positions_for
+from transformer.model.positions import Window, positions_for
 
 
 class MultiHeadLatentAttention(Attention):
@@ -140,16 +139,16 @@ class MultiHeadLatentAttention(Attention):
         c_BxTxQ = self.q_latent_norm(jnp.einsum("BTD,DQ->BTQ", x_BxTxD, self.wq_down[...].astype(dtype)))
         return jnp.einsum("BTQ,QNH->BTNH", c_BxTxQ, self.wq_up[...].astype(dtype))
 
-    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array) -> tuple[jax.Array, KVCache]:
+    def project(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, window: Window = None) -> tuple[jax.Array, KVCache]:
         """(q [B, T, N, 1, H] with its rope part rotated, what the cache keeps of each token: the
         latent [B, T, R] and the rotated shared key [B, T, E])."""
         dtype, A = x_BxTxD.dtype, self.cfg.qk_nope_head_dim
         q_BxTxNxH = self.queries(x_BxTxD)
-        q_rope_BxTxNxE = self.positions.rotate(q_BxTxNxH[..., A:], positions_BxT)
+        q_rope_BxTxNxE = self.positions.rotate(q_BxTxNxH[..., A:], positions_BxT, window)
         q_BxTxNxH = jnp.concatenate([q_BxTxNxH[..., :A], q_rope_BxTxNxE], axis=-1)
         latent_BxTxR = self.kv_latent_norm(jnp.einsum("BTD,DR->BTR", x_BxTxD, self.wkv_down[...].astype(dtype)))
         k_rope_BxTxE = jnp.einsum("BTD,DE->BTE", x_BxTxD, self.wk_rope[...].astype(dtype))
-        entries = {"latent": latent_BxTxR, "k_rope": self.positions.rotate(k_rope_BxTxE, positions_BxT)}
+        entries = {"latent": latent_BxTxR, "k_rope": self.positions.rotate(k_rope_BxTxE, positions_BxT, window)}
         return q_BxTxNxH[:, :, :, None], entries
 
     def kv_of(self, entries: KVCache) -> tuple[jax.Array, jax.Array]:

@@ -21,7 +21,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from transformer.config import ModelConfig
+from transformer.config import GLOBAL_WINDOW, ModelConfig
+
+# A layer's sliding window: a size, None (full causal attention), or a traced size inside the layer
+# scan over a per-layer pattern (GLOBAL_WINDOW for a full-attention layer).
+Window = int | jax.Array | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +41,9 @@ class Positions:
         """The token embeddings plus this scheme's encoding of each position."""
         return x_BxTxD
 
-    def rotate(self, x: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-        """Queries or keys [B, T, ..., H] as this scheme rotates them by position."""
+    def rotate(self, x: jax.Array, positions_BxT: jax.Array, window: Window = None) -> jax.Array:
+        """Queries or keys [B, T, ..., H] as this scheme rotates them by position, in a layer with
+        `window` (None: full attention; a traced size, GLOBAL_WINDOW for full, in a scanned pattern)."""
         return x
 
     def logit_bias(self, q_positions_BxT: jax.Array, k_positions_BxS: jax.Array) -> jax.Array | None:
@@ -111,9 +116,18 @@ class RotaryPositions(Positions):
 
     theta: float
     scaling: RopeScaling = RopeScaling()
+    local_theta: float | None = None  # the windowed layers' theta (model.rope_local_theta)
 
-    def rotate(self, x: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-        return rope(x, positions_BxT, self.theta, self.scaling)
+    def rotate(self, x: jax.Array, positions_BxT: jax.Array, window: Window = None) -> jax.Array:
+        return rope(x, positions_BxT, self.layer_theta(window), self.scaling)
+
+    def layer_theta(self, window: Window) -> float | jax.Array:
+        """The theta of a layer with `window`: the local one where it has a window."""
+        if self.local_theta is None or window is None:
+            return self.theta
+        if isinstance(window, jax.Array):  # a layer of a scanned pattern
+            return jnp.where(window >= GLOBAL_WINDOW, self.theta, self.local_theta)
+        return self.local_theta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +156,7 @@ def positions_for(cfg: ModelConfig) -> Positions:
                 cfg.rope_high_freq_factor,
                 cfg.rope_original_max_len,
             )
-            return RotaryPositions(cfg.rope_theta, scaling)
+            return RotaryPositions(cfg.rope_theta, scaling, cfg.rope_local_theta)
         case "alibi":
             return AlibiPositions(cfg.n_heads)
         case "none":
@@ -153,7 +167,9 @@ def positions_for(cfg: ModelConfig) -> Positions:
 # --- the encodings -------------------------------------------------------------------------------
 
 
-def rope(x: jax.Array, positions_BxT: jax.Array, theta: float, scaling: RopeScaling = RopeScaling()) -> jax.Array:
+def rope(
+    x: jax.Array, positions_BxT: jax.Array, theta: float | jax.Array, scaling: RopeScaling = RopeScaling()
+) -> jax.Array:
     """Rotary embedding (Su et al. 2021) of x[B, T, ..., H], rotating (first half, second half) pairs."""
     half = x.shape[-1] // 2
     inv_freq = scaling.apply(theta ** (-jnp.arange(half, dtype=jnp.float32) / half))
