@@ -1,9 +1,11 @@
 """Importing a Hugging Face checkpoint: time and peak host memory against the checkpoint's size.
 
-    python benchmarks/hf_import.py [--dir /tmp/hf-1b] [--repeats 3] [--dtype float32|bfloat16] [--keep]
+    python benchmarks/hf_import.py [--dir /tmp/hf-1b] [--repeats 3] [--dtype float32|bfloat16]
+                                   [--shape llama|mixtral] [--keep]
 
-Writes a ~1B-parameter Llama-shaped checkpoint of random weights with safetensors' numpy API (no
-torch), sharded in four files with an index as the Hub has them, then imports it with
+Writes a ~1B-parameter Llama-shaped checkpoint (or Mixtral-shaped: 8 experts a layer, each a
+tensor of its own, which the import stacks layer by layer) of random weights with safetensors'
+numpy API (no torch), sharded in four files with an index as the Hub has them, then imports it with
 `transformer.io.hf.load_model` in a fresh process per repeat, each reporting its wall time and its peak
 resident set (`VmHWM`: the model's own parameters included, since on a CPU they live in host
 memory). The target is a peak of at most 1.3x the checkpoint's size: no second full copy. The
@@ -39,12 +41,39 @@ CONFIG = dict(
     hidden_act="silu",
     tie_word_embeddings=False,
 )
+# ~1.0B parameters: a mixture of 8 experts of width 1792 in each of 20 layers, top-2
+MIXTRAL = CONFIG | dict(
+    model_type="mixtral",
+    hidden_size=1024,
+    intermediate_size=1792,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+)
+SHAPES = {"llama": CONFIG, "mixtral": MIXTRAL}
 SHARDS = 4
 
 
-def tensor_shapes() -> dict[str, tuple[int, ...]]:
-    c = CONFIG
-    D, F, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+def _ffn_shapes(c: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """One layer's FFN tensors: Llama's MLP, or each of Mixtral's experts."""
+    D, F = c["hidden_size"], c["intermediate_size"]
+    if c["model_type"] == "llama":
+        return {
+            p + "mlp.gate_proj.weight": (F, D),
+            p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        }
+    shapes = {p + "block_sparse_moe.gate.weight": (c["num_local_experts"], D)}
+    for e in range(c["num_local_experts"]):
+        x = f"{p}block_sparse_moe.experts.{e}."
+        shapes |= {x + "w1.weight": (F, D), x + "w3.weight": (F, D), x + "w2.weight": (D, F)}
+    return shapes
+
+
+def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    D, V = c["hidden_size"], c["vocab_size"]
     H = D // c["num_attention_heads"]
     KH = c["num_key_value_heads"] * H
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
@@ -57,22 +86,20 @@ def tensor_shapes() -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (KH, D),
             p + "self_attn.v_proj.weight": (KH, D),
             p + "self_attn.o_proj.weight": (D, D),
-            p + "mlp.gate_proj.weight": (F, D),
-            p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F),
+            **_ffn_shapes(c, p),
         }
     shapes["lm_head.weight"] = (V, D)
     return shapes
 
 
-def write_checkpoint(path: Path, dtype: str) -> int:
-    """Random weights in SHARDS files plus the index; returns the bytes written."""
+def write_checkpoint(path: Path, dtype: str, config: dict) -> int:
+    """Random weights of `config` in SHARDS files plus the index; returns the bytes written."""
     from safetensors.numpy import save_file
 
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(CONFIG | {"torch_dtype": dtype}))
-    shapes = tensor_shapes()
+    (path / "config.json").write_text(json.dumps(config | {"torch_dtype": dtype}))
+    shapes = tensor_shapes(config)
     names = list(shapes)
     rng = np.random.default_rng(0)
     weight_map = {}
@@ -125,11 +152,12 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path("/tmp/hf-1b"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="llama")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint (default: delete it)")
     args = p.parse_args()
     try:
         start = time.perf_counter()
-        size = write_checkpoint(args.dir, args.dtype)
+        size = write_checkpoint(args.dir, args.dtype, SHAPES[args.shape])
         print(f"wrote {size / 1e9:.2f} GB ({args.dtype}) in {time.perf_counter() - start:.0f} s to {args.dir}")
         runs = []
         for i in range(args.repeats):
