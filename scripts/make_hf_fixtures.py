@@ -128,6 +128,33 @@ FIXTURES = {
         norm_topk_prob=True,
         **COMMON,
     ),
+    # Gemma 2 (soft-capped, local then global) and Gemma 3 (qk-norm, 2 local : 1 global, a theta each)
+    "gemma2": transformers.Gemma2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=12,
+        sliding_window=5,
+        vocab_size=VOCAB,
+    ),
+    "gemma3_text": transformers.Gemma3TextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        sliding_window_pattern=3,
+        rope_parameters={
+            "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+            "sliding_attention": {"rope_theta": 1e2, "rope_type": "default"},
+        },
+        vocab_size=VOCAB,
+    ),
 }
 WITH_TOKENIZER = ("llama", "gpt2")
 
@@ -215,6 +242,28 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
     "mistral": dict(window=5, n_kv_heads=1),
     "gpt2": dict(position="learned", norm="layernorm", ffn="gelu", use_bias=True, n_kv_heads=4),
     "gpt2-exact-gelu": dict(position="learned", norm="layernorm", ffn="gelu_exact", use_bias=True, n_kv_heads=4),
+    "gemma2": dict(
+        norm_position="sandwich",
+        norm_offset=True,
+        embed_scale=True,
+        ffn="geglu",
+        window=5,
+        attention_pattern=("local", "global"),
+        attn_softcap=50.0,
+        logit_softcap=30.0,
+    ),
+    "gemma3_text": dict(
+        norm_position="sandwich",
+        norm_offset=True,
+        embed_scale=True,
+        ffn="geglu",
+        qk_norm=True,
+        window=5,
+        attention_pattern=("local", "local", "global"),
+        n_layers=3,
+        rope_theta=1e6,
+        rope_local_theta=1e3,
+    ),
     # mixtures of experts, dropless (as inference computes them)
     "mixtral": dict(n_experts=4, top_k=2, d_ff=48, capacity_factor=None),
     "qwen2_moe": dict(

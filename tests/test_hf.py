@@ -24,8 +24,8 @@ from transformer.io import hf
 from transformer.model import Transformer
 
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_FAMILIES = FAMILIES[-3:]
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _params(model) -> dict:
@@ -40,28 +40,38 @@ def test_logits_equal_transformers(family):
     np.testing.assert_allclose(logits, ref["logits"], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_imported_mixtures_of_experts_decode_from_the_cache_as_the_full_forward(family):
-    """Whatever capacity the run trains with, the imported model computes HF's dropless function
-    (load_model's, as every inference path's), and cached decoding equals it."""
+@pytest.mark.parametrize("family", [*MOE_FAMILIES, "gemma2", "gemma3_text"])
+def test_imported_models_decode_from_the_cache_as_the_full_forward(family):
+    """Gemma's local/global layers (and Gemma 3's thetas), and the mixtures of experts: whatever
+    capacity the run trains with, the imported model computes HF's dropless function (load_model's,
+    as every inference path's), and cached decoding equals it."""
     from test_generate import prefill_then_decode
 
     ref = load_file(str(FIXTURES / family / "reference.safetensors"))
     m, model = hf.load_model(FIXTURES / family)
-    assert m.capacity_factor == 1.25 and model.cfg.capacity_factor is None  # the run's, and inference's
+    if family in MOE_FAMILIES:
+        assert m.capacity_factor == 1.25 and model.cfg.capacity_factor is None  # the run's, and inference's
     tokens = jnp.asarray(ref["input_ids"][:, :16], jnp.int32)
     full = np.asarray(model(tokens))
     np.testing.assert_allclose(prefill_then_decode(*nnx.split(model), tokens, 5), full, atol=2e-5, rtol=2e-5)
 
 
-def test_the_moe_fixtures_need_their_conventions():
-    """Without Qwen2-MoE's shared-expert gate, or with Qwen3-MoE's gates left unnormalised, the
-    fixtures' logits are far off: the tests above pin both conventions down."""
-    for family, change in (("qwen2_moe", dict(shared_expert_gate=False)), ("qwen3_moe", dict(renormalize_gates=False))):
+def test_the_fixtures_need_their_conventions():
+    """Without Qwen2-MoE's shared-expert gate, with Qwen3-MoE's gates left unnormalised, without
+    Gemma's embedding scale, its gains' offset or Gemma 3's local theta, the fixtures' logits are far
+    off: the tests above pin each convention down."""
+    changes = (
+        ("qwen2_moe", dict(shared_expert_gate=False)),
+        ("qwen3_moe", dict(renormalize_gates=False)),
+        ("gemma2", dict(embed_scale=False)),
+        ("gemma2", dict(norm_offset=False)),
+        ("gemma3_text", dict(rope_local_theta=None)),
+    )
+    for family, change in changes:
         ref = load_file(str(FIXTURES / family / "reference.safetensors"))
         m, model = hf.load_model(FIXTURES / family)
         params = _params(model)
-        params["moe_blocks"]["ffn"].pop("shared_gate", None)
+        params.get("moe_blocks", {}).get("ffn", {}).pop("shared_gate", None)
         other = Transformer(dataclasses.replace(model.cfg, **change), rngs=nnx.Rngs(0))
         nnx.update(other, params)
         assert np.abs(np.asarray(other(ref["input_ids"]))[..., : m.vocab_size] - ref["logits"]).max() > 1e-2, family
@@ -99,6 +109,20 @@ EXPORTABLE = {
     "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qk_norm=True, head_dim=16),
     "gpt2": dict(position="learned", norm="layernorm", ffn="gelu_exact", use_bias=True, n_kv_heads=4),
+    "gemma2": dict(
+        norm_position="sandwich",
+        norm_offset=True,
+        embed_scale=True,
+        ffn="geglu",
+        window=5,
+        attention_pattern=("local", "global"),
+        attn_softcap=50.0,
+        logit_softcap=30.0,
+        attn_scale=12**-0.5,
+    ),
+    "gemma3_text": dict(
+        norm_offset=True, embed_scale=True, norm_position="sandwich", qk_norm=True, window=4, rope_local_theta=100.0
+    ),
     "mixtral": dict(n_experts=4, top_k=2, window=5),
     "qwen2_moe": dict(
         n_experts=4, top_k=2, moe_every=2, n_shared_experts=1, shared_expert_gate=True, qkv_bias=True, moe_d_ff=24

@@ -24,6 +24,28 @@ def test_layernorm_and_rmsnorm():
     assert not np.allclose(rms.mean(-1), 0.0, atol=0.1)  # RMSNorm does not centre
 
 
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_an_offset_gain_is_applied_as_one_plus_it_and_starts_at_zero(kind):
+    """model.norm_offset (Gemma): the stored gain w is 0 at init and the norm applies 1 + w, in float32
+    as Gemma computes it, so a norm with offset w equals the plain one with gain fl(1 + w) bit for bit."""
+    offset, plain = Norm(tiny(norm=kind, norm_offset=True)), Norm(tiny(norm=kind))
+    assert np.all(np.asarray(offset.scale[...]) == 0.0)
+    w = 0.3 * jax.random.normal(jax.random.key(0), offset.scale[...].shape)
+    offset.scale[...], plain.scale[...] = w, 1.0 + w
+    x = jax.random.normal(jax.random.key(1), (2, 5, 32))
+    np.testing.assert_array_equal(np.asarray(offset(x)), np.asarray(plain(x)))
+
+
+def test_scaled_embeddings_are_the_table_rows_times_sqrt_d_model():
+    """model.embed_scale (Vaswani et al., Gemma): the rows times sqrt(d_model), in the compute dtype."""
+    cfg = tiny(embed_scale=True, position="none")
+    model = build(cfg)
+    tokens = jnp.asarray([[3, 1, 4, 1, 5]])
+    got = np.asarray(model.embed_tokens(tokens, jnp.arange(5)[None]))
+    want = np.asarray(model.embed[...])[np.asarray(tokens)] * np.float32(math.sqrt(32))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_norm_keeps_dtype_but_computes_in_float32():
     x = (1000.0 + jax.random.normal(jax.random.key(0), (2, 64))).astype(jnp.bfloat16)
     y = Norm(tiny(d_model=64, norm="layernorm"))(x)

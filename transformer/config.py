@@ -178,6 +178,8 @@ class ModelConfig:
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
     embedding_norm: bool = False  # a norm on the embeddings, positions added (BERT, BART); each stack its own
+    norm_offset: bool = False  # norm gains kept as their offset w from 1, applied as 1 + w (Gemma): 0 at init
+    embed_scale: bool = False  # token embeddings times sqrt(d_model), before positions (Vaswani et al., Gemma)
     ffn: Ffn = "swiglu"
     use_bias: bool = False  # biases on every projection (GPT-2)
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2); implied by use_bias

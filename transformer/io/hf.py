@@ -250,6 +250,81 @@ def _qwen3_moe_keys(hf: dict) -> dict:
     return _qwen3_keys(hf) | _qwen_moe_keys(hf)
 
 
+def _gemma_layers(hf: dict, n_layers: int) -> dict:
+    """Which layers slide (`layer_types`, else every `sliding_window_pattern`-th is global: Gemma 2
+    alternates, local first) as model.window and model.attention_pattern."""
+    types = hf.get("layer_types")
+    if types is None:
+        period = _positive(hf, "sliding_window_pattern", 2)
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
+    kinds = {"sliding_attention": "local", "full_attention": "global"}
+    if not isinstance(types, list) or len(types) != n_layers or any(t not in kinds for t in types):
+        raise _refuse("layer_types", f"must list {n_layers} of sliding_attention, full_attention, got {types!r}")
+    pattern = tuple(kinds[t] for t in types)
+    if "local" not in pattern:
+        return dict(window=None)
+    window = _positive(hf, "sliding_window")
+    return dict(window=window) if "global" not in pattern else dict(window=window, attention_pattern=pattern)
+
+
+def _gemma_rope(hf: dict) -> dict:
+    """The global layers' theta and the local ones' (Gemma 3: `rope_parameters` by layer type, or
+    `rope_theta` and `rope_local_base_freq`); RoPE scaling of one kind of layer alone is refused."""
+    by_type = _object(hf, "rope_parameters")
+    if "full_attention" in by_type:
+        full = _rope_keys({"rope_parameters": _object(by_type, "full_attention")})
+        local = _rope_keys({"rope_parameters": _object(by_type, "sliding_attention")})
+    else:
+        full = _rope_keys(hf)
+        local = dict(rope_theta=_number(hf, "rope_local_base_freq", full["rope_theta"]))
+    if len(full) > 1 or len(local) > 1:
+        raise _refuse("rope_parameters", "RoPE scaling of the global or local layers alone is not supported")
+    return full | dict(rope_local_theta=local["rope_theta"])
+
+
+def _gemma_keys(hf: dict) -> dict:
+    """Gemma 2: sandwich RMSNorms with gains kept as offsets from 1, embeddings times sqrt(D), tanh
+    GeGLU, local and global layers, soft-capped attention and output logits, tied embeddings."""
+    for name in ("attention_bias", "use_bidirectional_attention"):
+        if _flag(hf, name, False):
+            raise _refuse(name, "true is not supported")
+    D, N, L, H = (_positive(hf, n) for n in ("hidden_size", "num_attention_heads", "num_hidden_layers", "head_dim"))
+    scalar = _positive(hf, "query_pre_attn_scalar", H)
+    layers, rope = _gemma_layers(hf, L), _gemma_rope(hf)
+    if layers["window"] is None or rope["rope_local_theta"] == rope["rope_theta"]:
+        rope["rope_local_theta"] = None
+    caps = {
+        ours: None if hf.get(name) is None else _number(hf, name)
+        for ours, name in (("attn_softcap", "attn_logit_softcapping"), ("logit_softcap", "final_logit_softcapping"))
+    }
+    return dict(
+        d_model=D,
+        n_layers=L,
+        n_heads=N,
+        n_kv_heads=_optional_positive(hf, "num_key_value_heads") or N,
+        head_dim=H,
+        d_ff=_positive(hf, "intermediate_size"),
+        vocab_size=_positive(hf, "vocab_size"),
+        position="rope",
+        norm="rmsnorm",
+        norm_eps=_number(hf, "rms_norm_eps", 1e-6),
+        norm_position="sandwich",
+        norm_offset=True,
+        embed_scale=True,
+        ffn=_choice(hf, "hidden_activation", GATED_ACTIVATIONS),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", True),
+        attn_scale=None if scalar == H else scalar**-0.5,
+        **caps,
+        **layers,
+        **rope,
+    )
+
+
+def _gemma3_keys(hf: dict) -> dict:
+    """Gemma 3's text model: Gemma 2's, with qk-norm (gains offset from 1 too) and a theta per layer kind."""
+    return _gemma_keys(hf) | dict(qk_norm=True)
+
+
 def _gpt2_keys(hf: dict) -> dict:
     for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
         if _flag(hf, name, False):
@@ -346,6 +421,25 @@ def _qwen_moe_json(m: ModelConfig) -> dict:
 
 def _qwen2_moe_json(m: ModelConfig) -> dict:
     return _qwen_moe_json(m) | {"shared_expert_intermediate_size": m.n_shared_experts * m.moe_d_ff}
+
+
+def _gemma_json(m: ModelConfig) -> dict:
+    acts = {v: k for k, v in GATED_ACTIVATIONS.items() if k != "gelu_new"}
+    rope = {}
+    if m.qk_norm:  # Gemma 3: a theta per kind of layer
+        local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
+        thetas = {"full_attention": m.rope_theta, "sliding_attention": local}
+        by_type = {kind: {"rope_theta": theta, "rope_type": "default"} for kind, theta in thetas.items()}
+        rope = {"rope_parameters": by_type, "rope_scaling": None}
+    return {k: v for k, v in _llama_json(m).items() if k not in ("hidden_act", "mlp_bias")} | {
+        "hidden_activation": acts[m.ffn],
+        "query_pre_attn_scalar": m.head_dim if m.attn_scale is None else round(m.attn_scale**-2),
+        "attn_logit_softcapping": m.attn_softcap,
+        "final_logit_softcapping": m.logit_softcap,
+        "sliding_window": m.window,
+        "layer_types": ["full_attention" if w is None else "sliding_attention" for w in m.layer_windows],
+        **rope,
+    }
 
 
 def _gpt2_json(m: ModelConfig) -> dict:
@@ -560,6 +654,16 @@ def _row_out(m: ModelConfig, x: np.ndarray) -> Arrays:
     return [x[None]]
 
 
+# Gemma's sandwich: a norm before and after each sublayer
+GEMMA = Layout(
+    (
+        *(r for r in LLAMA.rules if r.path != "blocks/ffn_norm/scale"),
+        Rule("blocks/attn_out_norm/scale", (_L + "post_attention_layernorm.weight",)),
+        Rule("blocks/ffn_norm/scale", (_L + "pre_feedforward_layernorm.weight",)),
+        Rule("blocks/ffn_out_norm/scale", (_L + "post_feedforward_layernorm.weight",)),
+    ),
+    ignored=LLAMA.ignored,
+)
 _X = _L + "block_sparse_moe."
 MIXTRAL = Layout(
     (
@@ -674,6 +778,8 @@ FAMILIES = {
         Family("mistral", "MistralForCausalLM", _mistral_keys, _mistral_json, LLAMA),
         Family("qwen2", "Qwen2ForCausalLM", _qwen2_keys, _qwen_json, LLAMA),
         Family("qwen3", "Qwen3ForCausalLM", _qwen3_keys, _qwen_json, LLAMA),
+        Family("gemma2", "Gemma2ForCausalLM", _gemma_keys, _gemma_json, GEMMA),
+        Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_keys, _gemma_json, GEMMA),
         Family("mixtral", "MixtralForCausalLM", _mixtral_keys, _mixtral_json, MIXTRAL),
         Family("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2_moe_keys, _qwen2_moe_json, QWEN_MOE),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_keys, _qwen_moe_json, QWEN_MOE),
@@ -929,11 +1035,13 @@ def load_params(path: Path, m: ModelConfig, abstract: dict) -> dict:
 
 # --- writing a checkpoint -----------------------------------------------------------------------------
 
-NO_EQUIVALENT = "none of the Hugging Face families here (gpt2, llama, mistral, qwen2, qwen3 and their MoE kin)"
+NO_EQUIVALENT = "none of the Hugging Face families here (gpt2, llama, mistral, qwen2, qwen3, their MoE kin, gemma)"
 
 
 def _family_candidate(m: ModelConfig) -> Family:
     """The one family that could compute what `m` does, or an HFError saying why none can."""
+    if m.norm_offset or m.embed_scale:  # Gemma's marks; anything else Gemma lacks, the round trip names
+        return FAMILIES["gemma3_text" if m.qk_norm else "gemma2"]
     reasons = [
         (m.position not in ("learned", "rope"), f"model.position={m.position}: {NO_EQUIVALENT} encodes positions so"),
         (m.norm_position != "pre", f"model.norm_position={m.norm_position}: {NO_EQUIVALENT} places norms so"),

@@ -127,12 +127,16 @@ class Norm(nnx.Module):
         dim = cfg.d_model if dim is None else dim
         self.kind = kind or cfg.norm
         self.eps = cfg.norm_eps
-        self.scale = const_param(1.0, (dim,), (axis_name,), cfg)
+        self.offset = cfg.norm_offset  # the gain is 1 + scale (Gemma's): weight decay pulls it to 1
+        self.scale = const_param(0.0 if self.offset else 1.0, (dim,), (axis_name,), cfg)
         self.bias = const_param(0.0, (dim,), (axis_name,), cfg) if self.kind == "layernorm" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         bias = None if self.bias is None else self.bias[...].astype(jnp.float32)
-        return normalize(x, self.scale[...].astype(jnp.float32), bias, self.kind == "layernorm", self.eps)
+        scale = self.scale[...].astype(jnp.float32)
+        if self.offset:
+            scale = 1.0 + scale
+        return normalize(x, scale, bias, self.kind == "layernorm", self.eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -3,6 +3,7 @@ an encoder-decoder adds the encoder stack whose output the decoder blocks cross-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -357,6 +358,8 @@ class Transformer(nnx.Module):
         """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds, then
         the stack's embedding norm (`model.embedding_norm`; an encoder-decoder's `encoder` has its own)."""
         x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
+        if self.cfg.embed_scale:  # sqrt(D) in the compute dtype, as Gemma's normalizer
+            x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.cfg.d_model), x_BxTxD.dtype)
         table_PxD = None if self.pos_embed is None else self.pos_embed[...]
         x_BxTxD = self.positions.add_to_embeddings(x_BxTxD, positions_BxT, table_PxD)
         norm = self.encoder_embed_norm if encoder else self.embed_norm
