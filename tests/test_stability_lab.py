@@ -30,6 +30,11 @@ QUICK = {
     "wortsman": [f"sweep.grid={{model.qk_norm: [false, true], {LRS}}}"],
     # protocol 3's further interventions: the two forms of weight decay (the study's zip), a warm-up
     "wortsman_interventions": [f"sweep.grid={{optim.warmup_steps: [2], {LRS}}}"],
+    # protocol 3's µP: the study's parametrizations, its base at the quick form's narrower width
+    "wortsman_mup": [
+        "sweep.zip=[{model.parametrization: [standard, mup], model.mup_base_d_model: [null, 32]}]",
+        f"sweep.grid={{model.d_model: [32, 64], {LRS}}}",
+    ],
     # protocol 4: QK-clip at a threshold the tiny model's logits (~0.06) pass
     "qk_clip": [
         "sweep.zip=[{intervention: [none, qk_clip], model.qk_clip: [null, 0.03]}]",
