@@ -155,7 +155,26 @@ FIXTURES = {
         },
         vocab_size=VOCAB,
     ),
+    # encoders: BERT, and RoBERTa (positions from 2)
+    "bert": transformers.BertConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        vocab_size=VOCAB,
+    ),
+    "roberta": transformers.RobertaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=66,
+        type_vocab_size=1,
+        vocab_size=VOCAB,
+    ),
 }
+MASKED = ("bert", "roberta")  # encoders with a prediction head: AutoModelForMaskedLM
 WITH_TOKENIZER = ("llama", "gpt2")
 
 
@@ -174,7 +193,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def hf_logits(path: Path, ids: np.ndarray) -> np.ndarray:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    kind = json.loads((path / "config.json").read_text())["model_type"]
+    auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         return model(torch.from_numpy(ids)).logits.numpy()
@@ -206,12 +227,15 @@ def make(name: str, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     config = FIXTURES[name]
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    auto = transformers.AutoModelForMaskedLM if name in MASKED else transformers.AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation="eager")
     randomize(model, seed)
     model.save_pretrained(out)
     if name in WITH_TOKENIZER:
         tokenizer_files(out)
     ids = np.random.default_rng(seed).integers(0, VOCAB, IDS_SHAPE).astype(np.int64)
+    if name == "roberta":  # it counts positions past its padding id (1): a single-segment row has none
+        ids[ids == 1] = 3
     logits = hf_logits(out, ids)
     save_file({"input_ids": ids, "logits": logits.astype(np.float32)}, str(out / "reference.safetensors"))
     print(f"{name}: {sum(f.stat().st_size for f in out.iterdir()) / 1e3:.0f} kB")
@@ -263,6 +287,18 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         n_layers=3,
         rope_theta=1e6,
         rope_local_theta=1e3,
+    ),
+    "bert": dict(
+        arch="encoder",
+        position="learned",
+        norm="layernorm",
+        norm_position="post",
+        embedding_norm=True,
+        ffn="gelu_exact",
+        use_bias=True,
+        n_kv_heads=4,
+        mlm_head=True,
+        norm_eps=1e-12,
     ),
     # mixtures of experts, dropless (as inference computes them)
     "mixtral": dict(n_experts=4, top_k=2, d_ff=48, capacity_factor=None),

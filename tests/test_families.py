@@ -321,6 +321,7 @@ def test_deepnorm_takes_the_encoder_decoder_constants_of_the_paper():
         dict(use_bias=True, norm="layernorm", qk_norm=True, norm_position="post"),
         dict(tie_embeddings=False, position="learned", n_kv_heads=1, ffn="swiglu", norm_position="deepnorm"),
         dict(embedding_norm=True, norm="layernorm", position="learned", norm_position="post"),
+        dict(mlm_head=True, use_bias=True, ffn="gelu_exact", tie_embeddings=False),
     ],
 )
 def test_closed_form_parameters_equal_the_tree_for_each_family(arch, kw):

@@ -317,6 +317,7 @@ def test_experts_and_the_router_follow_their_own_widths():
         (["model.parametrization=mup", "model.attention=mla", "model.qk_rope_head_dim=8"], "model.qk_rope_head_dim"),
         (["model.parametrization=mup", "model.attention=mla", "model.q_lora_rank=16"], "model.q_lora_rank"),
         (["model.parametrization=mup", "optim.name=sgd"], "optim.name"),
+        (["model.parametrization=mup", "model.mlm_head=true"], "model.mlm_head"),
         (["model.parametrization=mup", "optim.name=adafactor"], "optim.name"),
         (["model.mup_base_d_model=64"], "model.mup_base_d_model"),
         (["model.mup_output_alpha=2"], "model.mup_output_alpha"),

@@ -184,6 +184,7 @@ class ModelConfig:
     use_bias: bool = False  # biases on every projection (GPT-2)
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2); implied by use_bias
     tie_embeddings: bool = True
+    mlm_head: bool = False  # BERT's prediction head: dense + the FFN's activation + norm, then a bias per token
     dropout: float = 0.0  # on the embedding output and on each sublayer's output before the residual add
     attn_dropout: float = 0.0  # on attention probabilities (einsum implementation only)
     qk_norm: bool = False
@@ -284,6 +285,7 @@ class ModelConfig:
             "q_lora_rank",
             "under µP a written query latent stays fixed as the model widens, which µP has no rule for here: leave it null (full-rank queries)",
         )
+        _check(not self.mlm_head, "mlm_head", "µP has no rule written here for BERT's prediction head: leave it false")
         if self.mup_base_d_model is None:
             object.__setattr__(self, "mup_base_d_model", self.d_model)
         if self.mup_base_n_heads is None:

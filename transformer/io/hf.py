@@ -325,6 +325,52 @@ def _gemma3_keys(hf: dict) -> dict:
     return _gemma_keys(hf) | dict(qk_norm=True)
 
 
+def _bert_keys(hf: dict) -> dict:
+    """BERT: a Post-LN encoder with learned positions (token type 0's row added to them: single-segment
+    inputs), a LayerNorm on the embeddings, biases everywhere, a GELU MLP and the prediction head,
+    its decoder the word embeddings."""
+    for name in ("is_decoder", "add_cross_attention"):
+        if _flag(hf, name, False):
+            raise _refuse(name, "true is not supported (an encoder is read here)")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise _refuse("position_embedding_type", f"{hf['position_embedding_type']!r} is not supported (absolute)")
+    if not _flag(hf, "tie_word_embeddings", True):
+        raise _refuse("tie_word_embeddings", "false is not supported (the prediction head decodes with the embeddings)")
+    D, N = _positive(hf, "hidden_size"), _positive(hf, "num_attention_heads")
+    if D % N:
+        raise _refuse("hidden_size", f"{D} is not a multiple of num_attention_heads ({N})")
+    return dict(
+        arch="encoder",
+        d_model=D,
+        n_layers=_positive(hf, "num_hidden_layers"),
+        n_heads=N,
+        n_kv_heads=N,
+        head_dim=D // N,
+        d_ff=_positive(hf, "intermediate_size"),
+        vocab_size=_positive(hf, "vocab_size"),
+        max_seq_len=_positive(hf, "max_position_embeddings"),
+        position="learned",
+        norm="layernorm",
+        norm_eps=_number(hf, "layer_norm_eps", 1e-12),
+        norm_position="post",
+        embedding_norm=True,
+        ffn=_choice(hf, "hidden_act", MLP_ACTIVATIONS),
+        use_bias=True,
+        tie_embeddings=True,
+        mlm_head=True,
+    )
+
+
+def _roberta_keys(hf: dict) -> dict:
+    """RoBERTa: BERT's, with positions counted from padding_idx + 1 = 2 (the table's first rows unused)."""
+    if _field(hf, "pad_token_id", 1) != 1:
+        raise _refuse("pad_token_id", f"{hf['pad_token_id']!r}: positions are read as counted from padding id 1")
+    keys = _bert_keys(hf)
+    if keys["max_seq_len"] <= ROBERTA_OFFSET:
+        raise _refuse("max_position_embeddings", f"must exceed {ROBERTA_OFFSET} (RoBERTa's first position is 2)")
+    return keys | dict(max_seq_len=keys["max_seq_len"] - ROBERTA_OFFSET)
+
+
 def _gpt2_keys(hf: dict) -> dict:
     for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
         if _flag(hf, name, False):
@@ -442,6 +488,24 @@ def _gemma_json(m: ModelConfig) -> dict:
     }
 
 
+def _bert_json(m: ModelConfig) -> dict:
+    return {
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "intermediate_size": m.d_ff,
+        "hidden_act": {v: k for k, v in MLP_ACTIVATIONS.items() if k != "gelu_new"}[m.ffn],
+        "max_position_embeddings": m.max_seq_len,
+        "type_vocab_size": BERT_TYPES,
+        "layer_norm_eps": m.norm_eps,
+        "vocab_size": m.vocab_size,
+        "tie_word_embeddings": True,
+        "position_embedding_type": "absolute",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
+
+
 def _gpt2_json(m: ModelConfig) -> dict:
     return {
         "n_embd": m.d_model,
@@ -483,6 +547,7 @@ class Rule:
     names: tuple[str, ...]
     to_ours: Callable[[ModelConfig, Arrays], np.ndarray] = _same
     to_hf: Callable[[ModelConfig, np.ndarray], Arrays] = _as_list
+    adds: bool = False  # to_ours adds values (BERT's token type into its positions), not only moves them
 
     @property
     def per_layer(self) -> bool:
@@ -654,6 +719,69 @@ def _row_out(m: ModelConfig, x: np.ndarray) -> Arrays:
     return [x[None]]
 
 
+ROBERTA_OFFSET = 2  # RoBERTa counts positions from padding_idx + 1
+BERT_TYPES = 2  # token types an exported BERT has (all but type 0 zero)
+
+
+def _bert_positions_in(offset: int) -> Callable[[ModelConfig, Arrays], np.ndarray]:
+    """Position rows from `offset` on, plus token type 0's row: what a single-segment input adds."""
+
+    def to_ours(m: ModelConfig, xs: Arrays) -> np.ndarray:
+        positions, types = xs
+        return positions[offset:] + types[0]
+
+    return to_ours
+
+
+def _bert_positions_out(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return [x, np.zeros((BERT_TYPES, x.shape[1]), x.dtype)]
+
+
+def _bert_layout(prefix: str, head: str, head_norm: str, offset: int) -> Layout:
+    """BERT's tensors (`prefix` the encoder's, `head` the prediction head's, whose norm is
+    `head_norm`; positions from row `offset`). RoBERTa's differ in their names and offset only."""
+    e, b = prefix + "embeddings.", prefix + "encoder.layer.{l}."
+    qkv = ("query", "key", "value")
+    return Layout(
+        (
+            Rule("embed", (e + "word_embeddings.weight",), _pad_vocab, _vocab_rows),
+            Rule(
+                "pos_embed",
+                (e + "position_embeddings.weight", e + "token_type_embeddings.weight"),
+                _bert_positions_in(offset),
+                _bert_positions_out,
+                adds=True,
+            ),
+            Rule("embed_norm/scale", (e + "LayerNorm.weight",)),
+            Rule("embed_norm/bias", (e + "LayerNorm.bias",)),
+            Rule("blocks/attn/qkv", tuple(b + f"attention.self.{p}.weight" for p in qkv), _qkv_in, _qkv_out),
+            Rule(
+                "blocks/attn/qkv_bias", tuple(b + f"attention.self.{p}.bias" for p in qkv), _qkv_bias_in, _qkv_bias_out
+            ),
+            Rule("blocks/attn/out", (b + "attention.output.dense.weight",), _out_in, _out_out),
+            Rule("blocks/attn/out_bias", (b + "attention.output.dense.bias",)),
+            Rule("blocks/attn_norm/scale", (b + "attention.output.LayerNorm.weight",)),
+            Rule("blocks/attn_norm/bias", (b + "attention.output.LayerNorm.bias",)),
+            Rule("blocks/ffn/w_in", (b + "intermediate.dense.weight",), _transposed, _transpose_back),
+            Rule("blocks/ffn/b_in", (b + "intermediate.dense.bias",)),
+            Rule("blocks/ffn/w_out", (b + "output.dense.weight",), _transposed, _transpose_back),
+            Rule("blocks/ffn/b_out", (b + "output.dense.bias",)),
+            Rule("blocks/ffn_norm/scale", (b + "output.LayerNorm.weight",)),
+            Rule("blocks/ffn_norm/bias", (b + "output.LayerNorm.bias",)),
+            Rule("mlm_head/dense", (head + "dense.weight",), _transposed, _transpose_back),
+            Rule("mlm_head/dense_bias", (head + "dense.bias",)),
+            Rule("mlm_head/norm/scale", (head_norm + ".weight",)),
+            Rule("mlm_head/norm/bias", (head_norm + ".bias",)),
+            Rule("mlm_head/bias", (head.removesuffix("transform.") + "bias",), _pad_vocab, _vocab_rows),
+        ),
+        # the decoder is the word embeddings (tied) and its bias the head's; the pooler and the
+        # next-sentence head are not the masked-LM model's
+        ignored=rf"(^{prefix}pooler\.|^cls\.seq_relationship\.|\.position_ids$|decoder\.(weight|bias)$)",
+    )
+
+
+BERT = _bert_layout("bert.", "cls.predictions.transform.", "cls.predictions.transform.LayerNorm", 0)
+ROBERTA = _bert_layout("roberta.", "lm_head.", "lm_head.layer_norm", ROBERTA_OFFSET)
 # Gemma's sandwich: a norm before and after each sublayer
 GEMMA = Layout(
     (
@@ -778,6 +906,9 @@ FAMILIES = {
         Family("mistral", "MistralForCausalLM", _mistral_keys, _mistral_json, LLAMA),
         Family("qwen2", "Qwen2ForCausalLM", _qwen2_keys, _qwen_json, LLAMA),
         Family("qwen3", "Qwen3ForCausalLM", _qwen3_keys, _qwen_json, LLAMA),
+        Family("bert", "BertForMaskedLM", _bert_keys, _bert_json, BERT),
+        # exported as BERT (export_family never picks it): its positions' offset hangs on the pad id
+        Family("roberta", "RobertaForMaskedLM", _roberta_keys, _bert_json, ROBERTA),
         Family("gemma2", "Gemma2ForCausalLM", _gemma_keys, _gemma_json, GEMMA),
         Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_keys, _gemma_json, GEMMA),
         Family("mixtral", "MixtralForCausalLM", _mixtral_keys, _mixtral_json, MIXTRAL),
@@ -983,7 +1114,7 @@ def _converted(ckpt: Checkpoint, rule: Rule, m: ModelConfig, names: list[str], l
     xs = [ckpt.get(n) for n in names]
     # Conversions only move values (zero padding is +0.0's bits): on unsigned integers of the same
     # width they are exact, and fast for the dtypes numpy only knows through ml_dtypes (bfloat16).
-    as_bits = all(x.dtype == like.dtype for x in xs)
+    as_bits = all(x.dtype == like.dtype for x in xs) and not rule.adds
     try:
         value = rule.to_ours(m, [x.view(f"u{x.dtype.itemsize}") for x in xs] if as_bits else xs)
         fits = value.shape == like.shape
@@ -1042,6 +1173,8 @@ def _family_candidate(m: ModelConfig) -> Family:
     """The one family that could compute what `m` does, or an HFError saying why none can."""
     if m.norm_offset or m.embed_scale:  # Gemma's marks; anything else Gemma lacks, the round trip names
         return FAMILIES["gemma3_text" if m.qk_norm else "gemma2"]
+    if m.mlm_head:  # BERT's mark
+        return FAMILIES["bert"]
     reasons = [
         (m.position not in ("learned", "rope"), f"model.position={m.position}: {NO_EQUIVALENT} encodes positions so"),
         (m.norm_position != "pre", f"model.norm_position={m.norm_position}: {NO_EQUIVALENT} places norms so"),

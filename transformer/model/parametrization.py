@@ -119,7 +119,8 @@ RULES: dict[str, Scaling] = {
     "head": OUTPUT,
     "router": OUTPUT,
     "shared_gate": OUTPUT,  # the shared experts' gate (Qwen2-MoE): d_model in, one number out
-    **{name: VECTOR for name in ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias")},
+    "dense": hidden("d_model", "D,E"),  # BERT's prediction head (model.mlm_head; refused under µP)
+    **{name: VECTOR for name in ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias", "dense_bias")},
 }
 # ...and where a mixture of experts' FFN differs: its matrices' inner width is the experts'.
 EXPERT_RULES: dict[str, Scaling] = {**RULES, "w_out": hidden("moe_d_ff", "F,D")}

@@ -48,6 +48,7 @@ def count_params(cfg: ModelConfig) -> int:
     total += math.prod(table) if table is not None else 0
     total += norm if cfg.final_norm else 0
     total += norm * (1 + (cfg.arch == "encoder_decoder")) if cfg.embedding_norm else 0
+    total += D * D + D + norm + V if cfg.mlm_head else 0
     total += 0 if cfg.tie_embeddings else D * V
     return total
 
@@ -92,7 +93,7 @@ def _component(path: tuple) -> str:
         return "embedding"
     if names[0] == "pos_embed":
         return "positions"
-    if names[0] == "head":
+    if names[0] in ("head", "mlm_head"):
         return "output head"
     if "norm" in names[-2] or "norm" in names[0]:
         return "norms"
@@ -149,7 +150,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, target_len: int | None = Non
     """
     D, L, V, F = cfg.d_model, cfg.n_layers, cfg.padded_vocab, cfg.d_ff
     T = seq_len if target_len is None else target_len
-    matmul_params = L * self_block_matmul_params(cfg) + D * V
+    matmul_params = L * self_block_matmul_params(cfg) + D * V + (D * D if cfg.mlm_head else 0)
     # a MoE layer: the router and the experts a token is routed to (active parameters; a dropped
     # assignment's or an empty capacity slot's work is not useful work)
     moe_ffn = D * (cfg.n_experts + cfg.shared_expert_gate) + (cfg.top_k + cfg.n_shared_experts) * expert_params(cfg)

@@ -14,7 +14,7 @@ from flax import nnx
 from transformer.config import GLOBAL_WINDOW, ModelConfig
 from transformer.model.attention import MASK_VALUE, Attention, KVCache, Window, cache_size
 from transformer.model.cross_attention import CrossAttention, Memory
-from transformer.model.layers import FFN, InitScales, Norm, dropout, normal_param, place
+from transformer.model.layers import ACTIVATIONS, FFN, InitScales, Norm, const_param, dropout, normal_param, place
 from transformer.model.mla import MultiHeadLatentAttention
 from transformer.model.moe import STEP_METRICS, MoE
 from transformer.model.parametrization import branch_multiplier, logit_multiplier
@@ -324,6 +324,24 @@ def _default_positions(tokens_BxT: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
+class MLMHead(nnx.Module):
+    """BERT's prediction head (`model.mlm_head`): the final hidden states through a dense layer with a
+    bias, the FFN's activation and a norm, before the output projection; and a bias per vocabulary
+    entry added to the logits."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D = cfg.d_model
+        self.dense = normal_param(rngs, (D, D), ("embed", None), cfg.init_std, cfg)
+        self.dense_bias = const_param(0.0, (D,), (None,), cfg)
+        self.norm = Norm(cfg)
+        self.bias = const_param(0.0, (cfg.padded_vocab,), ("vocab",), cfg)
+        self.cfg = cfg
+
+    def transform(self, x_BxTxD: jax.Array) -> jax.Array:
+        h_BxTxD = jnp.einsum("BTD,DE->BTE", x_BxTxD, self.dense[...].astype(x_BxTxD.dtype))
+        return self.norm(ACTIVATIONS[self.cfg.ffn](h_BxTxD + self.dense_bias[...].astype(x_BxTxD.dtype)))
+
+
 class Transformer(nnx.Module):
     """A language model of one of the three families (`model.arch`): token embedding (plus what the
     position scheme adds to it), the main stack `blocks` (a decoder's causal blocks, or an encoder's
@@ -353,6 +371,7 @@ class Transformer(nnx.Module):
         self.encoder_norm = Norm(cfg) if encoder_decoder and cfg.final_norm else None
         self.embed_norm = Norm(cfg) if cfg.embedding_norm else None
         self.encoder_embed_norm = Norm(cfg) if cfg.embedding_norm and encoder_decoder else None
+        self.mlm_head = MLMHead(cfg, rngs=rngs) if cfg.mlm_head else None
 
     def embed_tokens(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, encoder: bool = False) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds, then
@@ -513,6 +532,8 @@ class Transformer(nnx.Module):
     def logits(self, x_BxTxD: jax.Array) -> jax.Array:
         """Float32 logits; the padding rows of the vocab are masked out so perplexity stays honest."""
         cfg = self.cfg
+        if self.mlm_head is not None:
+            x_BxTxD = self.mlm_head.transform(x_BxTxD)
         if self.head is None:
             logits_BxTxV = jnp.einsum(
                 "BTD,VD->BTV", x_BxTxD, self.embed[...].astype(x_BxTxD.dtype), preferred_element_type=jnp.float32
@@ -523,6 +544,8 @@ class Transformer(nnx.Module):
             )
         if cfg.parametrization == "mup":  # alpha_output times the readout's 1/m (model/parametrization.py)
             logits_BxTxV = logits_BxTxV * logit_multiplier(cfg)
+        if self.mlm_head is not None:
+            logits_BxTxV = logits_BxTxV + self.mlm_head.bias[...].astype(jnp.float32)
         if cfg.logit_softcap is not None:
             logits_BxTxV = cfg.logit_softcap * jnp.tanh(logits_BxTxV / cfg.logit_softcap)
         if cfg.padded_vocab != cfg.vocab_size:
