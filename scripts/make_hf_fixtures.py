@@ -298,6 +298,7 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         use_bias=True,
         n_kv_heads=4,
         mlm_head=True,
+        output_bias=True,
         norm_eps=1e-12,
     ),
     # mixtures of experts, dropless (as inference computes them)

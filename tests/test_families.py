@@ -321,7 +321,7 @@ def test_deepnorm_takes_the_encoder_decoder_constants_of_the_paper():
         dict(use_bias=True, norm="layernorm", qk_norm=True, norm_position="post"),
         dict(tie_embeddings=False, position="learned", n_kv_heads=1, ffn="swiglu", norm_position="deepnorm"),
         dict(embedding_norm=True, norm="layernorm", position="learned", norm_position="post"),
-        dict(mlm_head=True, use_bias=True, ffn="gelu_exact", tie_embeddings=False),
+        dict(mlm_head=True, output_bias=True, use_bias=True, ffn="gelu_exact", tie_embeddings=False),
     ],
 )
 def test_closed_form_parameters_equal_the_tree_for_each_family(arch, kw):
@@ -410,3 +410,19 @@ def test_the_embedding_norm_sits_on_the_embeddings_after_the_positions(arch):
         bias = model.encoder_embed_norm.bias
         bias[...] = jax.random.normal(jax.random.key(1), bias[...].shape)
         assert np.abs(np.asarray(model(tokens, **extra)) - before).max() > 1e-3
+
+
+def test_an_encoder_with_its_own_position_table_reads_only_it():
+    """model.encoder_positions (BART): the encoder's positions come from its own table, the decoder's
+    from the shared one; the closed-form count holds the second table."""
+    cfg = tiny(arch="encoder_decoder", position="learned", encoder_positions=True)
+    assert count_params(cfg) == sum(params_by_component(cfg).values())
+    model = build(cfg)
+    tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, cfg.vocab_size)
+    memory = np.asarray(model.encode(tokens))
+    logits = np.asarray(model(tokens, encoder_tokens_BxS=tokens[:, ::-1]))
+    model.pos_embed[...] = model.pos_embed[...] + 1.0  # the decoder's
+    np.testing.assert_array_equal(np.asarray(model.encode(tokens)), memory)
+    model.encoder_pos_embed[...] = model.encoder_pos_embed[...] + 1.0
+    assert np.abs(np.asarray(model.encode(tokens)) - memory).max() > 1e-3
+    assert np.abs(np.asarray(model(tokens, encoder_tokens_BxS=tokens[:, ::-1])) - logits).max() > 1e-4

@@ -149,6 +149,7 @@ EXPORTABLE = {
         use_bias=True,
         n_kv_heads=4,
         mlm_head=True,
+        output_bias=True,
     ),
     "mixtral": dict(n_experts=4, top_k=2, window=5),
     "qwen2_moe": dict(

@@ -62,6 +62,21 @@ def test_a_windowed_layer_rotates_by_the_local_theta(scan_layers):
     assert np.abs(np.asarray(pattern(tokens)) - np.asarray(swapped(tokens))).max() > 1e-4  # per layer
 
 
+def test_the_output_bias_adds_to_every_positions_logits():
+    """model.output_bias: 0 at init, then its value added to each vocabulary entry's logit."""
+    cfg = tiny(output_bias=True)
+    model = build(cfg)
+    tokens = tokens_for(cfg)
+    V = cfg.vocab_size
+    before = np.asarray(model(tokens))[..., :V]
+    np.testing.assert_array_equal(before, np.asarray(build(tiny())(tokens))[..., :V])  # the same draws
+    bias = jax.random.normal(jax.random.key(3), model.output_bias[...].shape)
+    model.output_bias[...] = bias
+    np.testing.assert_allclose(
+        np.asarray(model(tokens))[..., :V] - before, np.broadcast_to(bias[:V], before.shape), atol=1e-5
+    )
+
+
 def test_jit_equals_eager():
     cfg = tiny(n_kv_heads=2, window=4)
     model = build(cfg)

@@ -166,6 +166,7 @@ class ModelConfig:
     attn_scale: float | None = None  # None: 1/sqrt(qk_head_dim), the width of a query/key head
     position: Position = "rope"
     rope_theta: float = 10000.0
+    encoder_positions: bool = False  # an encoder-decoder's encoder has a learned position table of its own (BART)
     rope_local_theta: float | None = None  # theta of the layers with a window (Gemma 3, ModernBERT); null: rope_theta
     # RoPE frequencies stretched for longer contexts: linear divides all by rope_factor; llama3
     # (Llama 3.1) divides the low ones, keeps the high ones, and blends between (see positions.py)
@@ -184,7 +185,8 @@ class ModelConfig:
     use_bias: bool = False  # biases on every projection (GPT-2)
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2); implied by use_bias
     tie_embeddings: bool = True
-    mlm_head: bool = False  # BERT's prediction head: dense + the FFN's activation + norm, then a bias per token
+    mlm_head: bool = False  # BERT's prediction head before the output projection: dense + the FFN's activation + norm
+    output_bias: bool = False  # a learned bias per vocabulary entry on the logits (BERT's, BART's final_logits_bias)
     dropout: float = 0.0  # on the embedding output and on each sublayer's output before the residual add
     attn_dropout: float = 0.0  # on attention probabilities (einsum implementation only)
     qk_norm: bool = False
@@ -542,6 +544,11 @@ class ModelConfig:
             self.arch == "decoder" or self.window is None or self.attention_impl != "cudnn",
             "attention_impl",
             f"cudnn has no two-sided sliding window for a {self.arch}'s bidirectional attention: use xla or einsum",
+        )
+        _check(
+            not self.encoder_positions or (self.arch == "encoder_decoder" and self.position == "learned"),
+            "encoder_positions",
+            "is an encoder-decoder's second learned position table: set model.arch=encoder_decoder, model.position=learned",
         )
         if self.arch != "encoder_decoder":
             _check(

@@ -358,6 +358,7 @@ def _bert_keys(hf: dict) -> dict:
         use_bias=True,
         tie_embeddings=True,
         mlm_head=True,
+        output_bias=True,
     )
 
 
@@ -772,7 +773,7 @@ def _bert_layout(prefix: str, head: str, head_norm: str, offset: int) -> Layout:
             Rule("mlm_head/dense_bias", (head + "dense.bias",)),
             Rule("mlm_head/norm/scale", (head_norm + ".weight",)),
             Rule("mlm_head/norm/bias", (head_norm + ".bias",)),
-            Rule("mlm_head/bias", (head.removesuffix("transform.") + "bias",), _pad_vocab, _vocab_rows),
+            Rule("output_bias", (head.removesuffix("transform.") + "bias",), _pad_vocab, _vocab_rows),
         ),
         # the decoder is the word embeddings (tied) and its bias the head's; the pooler and the
         # next-sentence head are not the masked-LM model's

@@ -103,6 +103,7 @@ def hidden(fan_in: str, matrix: str) -> Scaling:
 RULES: dict[str, Scaling] = {
     "embed": INPUT,
     "pos_embed": INPUT,
+    "encoder_pos_embed": INPUT,
     "qkv": hidden("d_model", "D,KCH"),
     "out": hidden("attention", "NH,D"),
     # MLA: queries (full-rank, or down to and up from a latent of q_lora_rank), the kv latent and the
@@ -120,7 +121,9 @@ RULES: dict[str, Scaling] = {
     "router": OUTPUT,
     "shared_gate": OUTPUT,  # the shared experts' gate (Qwen2-MoE): d_model in, one number out
     "dense": hidden("d_model", "D,E"),  # BERT's prediction head (model.mlm_head; refused under µP)
-    **{name: VECTOR for name in ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias", "dense_bias")},
+    **{
+        name: VECTOR for name in ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias", "dense_bias", "output_bias")
+    },
 }
 # ...and where a mixture of experts' FFN differs: its matrices' inner width is the experts'.
 EXPERT_RULES: dict[str, Scaling] = {**RULES, "w_out": hidden("moe_d_ff", "F,D")}

@@ -45,10 +45,11 @@ def count_params(cfg: ModelConfig) -> int:
     experts = (cfg.n_experts + cfg.n_shared_experts) * expert_params(cfg) + D * cfg.shared_expert_gate
     total += n_moe * (D * cfg.n_experts + experts - ffn)
     table = positions_for(cfg).table_shape
-    total += math.prod(table) if table is not None else 0
+    total += math.prod(table) * (1 + cfg.encoder_positions) if table is not None else 0
     total += norm if cfg.final_norm else 0
     total += norm * (1 + (cfg.arch == "encoder_decoder")) if cfg.embedding_norm else 0
-    total += D * D + D + norm + V if cfg.mlm_head else 0
+    total += D * D + D + norm if cfg.mlm_head else 0
+    total += V if cfg.output_bias else 0
     total += 0 if cfg.tie_embeddings else D * V
     return total
 
@@ -59,7 +60,7 @@ def non_embedding_params(cfg: ModelConfig) -> int:
     from the total by the embedding table's V*D, often the larger part."""
     table = positions_for(cfg).table_shape
     tables = cfg.padded_vocab * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-    return count_params(cfg) - tables - (math.prod(table) if table is not None else 0)
+    return count_params(cfg) - tables - (math.prod(table) * (1 + cfg.encoder_positions) if table is not None else 0)
 
 
 def mha_params(cfg: ModelConfig) -> int:
@@ -91,9 +92,9 @@ def _component(path: tuple) -> str:
     names = [str(p) for p in path]
     if names[0] == "embed":
         return "embedding"
-    if names[0] == "pos_embed":
+    if names[0] in ("pos_embed", "encoder_pos_embed"):
         return "positions"
-    if names[0] in ("head", "mlm_head"):
+    if names[0] in ("head", "mlm_head", "output_bias"):
         return "output head"
     if "norm" in names[-2] or "norm" in names[0]:
         return "norms"

@@ -326,15 +326,13 @@ def _default_positions(tokens_BxT: jax.Array) -> jax.Array:
 
 class MLMHead(nnx.Module):
     """BERT's prediction head (`model.mlm_head`): the final hidden states through a dense layer with a
-    bias, the FFN's activation and a norm, before the output projection; and a bias per vocabulary
-    entry added to the logits."""
+    bias, the FFN's activation and a norm, before the output projection."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         D = cfg.d_model
         self.dense = normal_param(rngs, (D, D), ("embed", None), cfg.init_std, cfg)
         self.dense_bias = const_param(0.0, (D,), (None,), cfg)
         self.norm = Norm(cfg)
-        self.bias = const_param(0.0, (cfg.padded_vocab,), ("vocab",), cfg)
         self.cfg = cfg
 
     def transform(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -372,14 +370,23 @@ class Transformer(nnx.Module):
         self.embed_norm = Norm(cfg) if cfg.embedding_norm else None
         self.encoder_embed_norm = Norm(cfg) if cfg.embedding_norm and encoder_decoder else None
         self.mlm_head = MLMHead(cfg, rngs=rngs) if cfg.mlm_head else None
+        self.output_bias = const_param(0.0, (V,), ("vocab",), cfg) if cfg.output_bias else None
+        # model.encoder_positions: the encoder's own table (drawn after the rest)
+        self.encoder_pos_embed = (
+            normal_param(rngs, table, (None, "embed"), scales.positions, cfg)
+            if cfg.encoder_positions and table is not None
+            else None
+        )
 
     def embed_tokens(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, encoder: bool = False) -> jax.Array:
-        """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds, then
-        the stack's embedding norm (`model.embedding_norm`; an encoder-decoder's `encoder` has its own)."""
+        """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds (from the
+        encoder's own table for an encoder-decoder's `encoder` under `model.encoder_positions`), then
+        the stack's embedding norm (`model.embedding_norm`; the `encoder` has its own)."""
         x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
         if self.cfg.embed_scale:  # sqrt(D) in the compute dtype, as Gemma's normalizer
             x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.cfg.d_model), x_BxTxD.dtype)
-        table_PxD = None if self.pos_embed is None else self.pos_embed[...]
+        table = self.encoder_pos_embed if encoder and self.encoder_pos_embed is not None else self.pos_embed
+        table_PxD = None if table is None else table[...]
         x_BxTxD = self.positions.add_to_embeddings(x_BxTxD, positions_BxT, table_PxD)
         norm = self.encoder_embed_norm if encoder else self.embed_norm
         if norm is not None:
@@ -544,8 +551,8 @@ class Transformer(nnx.Module):
             )
         if cfg.parametrization == "mup":  # alpha_output times the readout's 1/m (model/parametrization.py)
             logits_BxTxV = logits_BxTxV * logit_multiplier(cfg)
-        if self.mlm_head is not None:
-            logits_BxTxV = logits_BxTxV + self.mlm_head.bias[...].astype(jnp.float32)
+        if self.output_bias is not None:
+            logits_BxTxV = logits_BxTxV + self.output_bias[...].astype(jnp.float32)
         if cfg.logit_softcap is not None:
             logits_BxTxV = cfg.logit_softcap * jnp.tanh(logits_BxTxV / cfg.logit_softcap)
         if cfg.padded_vocab != cfg.vocab_size:
