@@ -173,8 +173,22 @@ FIXTURES = {
         type_vocab_size=1,
         vocab_size=VOCAB,
     ),
+    # an encoder-decoder: BART, with scaled embeddings (mBART's and some BARTs' choice)
+    "bart": transformers.BartConfig(
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        scale_embedding=True,
+        vocab_size=VOCAB,
+    ),
 }
 MASKED = ("bert", "roberta")  # encoders with a prediction head: AutoModelForMaskedLM
+SEQ2SEQ = ("bart",)  # encoder-decoders: AutoModelForSeq2SeqLM
 WITH_TOKENIZER = ("llama", "gpt2")
 
 
@@ -192,13 +206,32 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.1 * noise)
 
 
+def auto_class(kind: str):
+    if kind in SEQ2SEQ:
+        return transformers.AutoModelForSeq2SeqLM
+    return transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
+
+
+def decoder_ids(ids: np.ndarray) -> np.ndarray:
+    """An encoder-decoder's decoder input beside `ids` (its encoder input): the rows reversed."""
+    return np.ascontiguousarray(ids[:, ::-1])
+
+
 def hf_logits(path: Path, ids: np.ndarray) -> np.ndarray:
+    """transformers' logits of `ids` (an encoder-decoder's: of decoder_ids(ids), reading ids)."""
     kind = json.loads((path / "config.json").read_text())["model_type"]
-    auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = auto_class(kind).from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    extra = {"decoder_input_ids": torch.from_numpy(decoder_ids(ids))} if kind in SEQ2SEQ else {}
     with torch.no_grad():
-        return model(torch.from_numpy(ids)).logits.numpy()
+        return model(torch.from_numpy(ids), **extra).logits.numpy()
+
+
+def our_logits(model, ids: np.ndarray) -> np.ndarray:
+    """This framework's logits as hf_logits computes transformers'."""
+    if model.cfg.arch == "encoder_decoder":
+        return np.asarray(model(decoder_ids(ids), encoder_tokens_BxS=ids))[..., :VOCAB]
+    return np.asarray(model(ids))[..., :VOCAB]
 
 
 def tokenizer_files(out: Path) -> None:
@@ -227,8 +260,7 @@ def make(name: str, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     config = FIXTURES[name]
-    auto = transformers.AutoModelForMaskedLM if name in MASKED else transformers.AutoModelForCausalLM
-    model = auto.from_config(config, attn_implementation="eager")
+    model = auto_class(name).from_config(config, attn_implementation="eager")
     randomize(model, seed)
     model.save_pretrained(out)
     if name in WITH_TOKENIZER:
@@ -301,6 +333,20 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         output_bias=True,
         norm_eps=1e-12,
     ),
+    "bart": dict(
+        arch="encoder_decoder",
+        n_encoder_layers=3,
+        position="learned",
+        encoder_positions=True,
+        norm="layernorm",
+        norm_eps=1e-5,
+        norm_position="post",
+        embedding_norm=True,
+        ffn="gelu_exact",
+        use_bias=True,
+        n_kv_heads=4,
+        output_bias=True,
+    ),
     # mixtures of experts, dropless (as inference computes them)
     "mixtral": dict(n_experts=4, top_k=2, d_ff=48, capacity_factor=None),
     "qwen2_moe": dict(
@@ -331,7 +377,7 @@ def verify() -> bool:
     for name in FIXTURES:
         ref = load_file(str(OUT / name / "reference.safetensors"))
         m, model = hf.load_model(OUT / name)
-        ours = np.asarray(model(ref["input_ids"]))[..., :VOCAB]
+        ours = our_logits(model, ref["input_ids"])
         with tempfile.TemporaryDirectory() as tmp:
             hf.save(m, nnx.to_pure_dict(nnx.state(model, nnx.Param)), Path(tmp))
             again = hf_logits(Path(tmp), ref["input_ids"])
@@ -343,7 +389,7 @@ def verify() -> bool:
         base = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=64)
         m = ModelConfig(**(base | kw))
         model = perturbed(Transformer(m, rngs=nnx.Rngs(i)), i)
-        ours = np.asarray(model(ids))[..., :VOCAB]
+        ours = our_logits(model, ids)
         with tempfile.TemporaryDirectory() as tmp:
             family = hf.save(m, nnx.to_pure_dict(nnx.state(model, nnx.Param)), Path(tmp))
             theirs = hf_logits(Path(tmp), ids)

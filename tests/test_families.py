@@ -162,8 +162,19 @@ def decode_step_by_step(graphdef, params, source_BxS, enc_segments_BxS, tokens_B
         dict(window=3, attention_pattern=("local", "global"), norm_position="sandwich", position="learned"),
         dict(norm_position="deepnorm", use_bias=True, norm="layernorm", attention_impl="einsum"),
         dict(attention="mla", kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8),
+        # BART's: a position table and an embedding norm per stack, scaled embeddings, a logit bias
+        dict(
+            position="learned",
+            encoder_positions=True,
+            embedding_norm=True,
+            embed_scale=True,
+            output_bias=True,
+            norm_position="post",
+            norm="layernorm",
+            use_bias=True,
+        ),
     ],
-    ids=["gqa-rope", "mqa-alibi-post-qknorm", "pattern-sandwich-learned", "deepnorm-bias-einsum", "mla"],
+    ids=["gqa-rope", "mqa-alibi-post-qknorm", "pattern-sandwich-learned", "deepnorm-bias-einsum", "mla", "bart"],
 )
 def test_cached_decoding_with_cross_attention_equals_the_full_forward(kw):
     cfg = encoder_decoder(**kw)

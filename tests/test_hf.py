@@ -26,10 +26,19 @@ from transformer.model import Transformer
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 FAMILIES = (
     *("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text"),
-    *("bert", "roberta"),
+    *("bert", "roberta", "bart"),
 )
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-ENCODERS = ("bert", "roberta")  # stored otherwise than read: token type 0 joins the positions
+# stored otherwise than read: BERT's token type 0 joins the positions, BART's unused position rows
+ENCODERS = ("bert", "roberta", "bart")
+
+
+def _logits(model, ids: np.ndarray) -> np.ndarray:
+    """The fixture's logits as scripts/make_hf_fixtures.py computes them (an encoder-decoder reads
+    `ids` and decodes them reversed)."""
+    if model.cfg.arch == "encoder_decoder":
+        return np.asarray(model(ids[:, ::-1], encoder_tokens_BxS=ids))[..., : model.cfg.vocab_size]
+    return np.asarray(model(ids))[..., : model.cfg.vocab_size]
 
 
 def _params(model) -> dict:
@@ -39,9 +48,8 @@ def _params(model) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_equal_transformers(family):
     ref = load_file(str(FIXTURES / family / "reference.safetensors"))
-    m, model = hf.load_model(FIXTURES / family)
-    logits = np.asarray(model(ref["input_ids"]))[..., : m.vocab_size]
-    np.testing.assert_allclose(logits, ref["logits"], atol=2e-5, rtol=1e-5)
+    _, model = hf.load_model(FIXTURES / family)
+    np.testing.assert_allclose(_logits(model, ref["input_ids"]), ref["logits"], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", [*MOE_FAMILIES, "gemma2", "gemma3_text"])
@@ -94,13 +102,14 @@ def test_llama3_rope_scaling_matters_in_the_fixture():
 @pytest.mark.parametrize("family", ENCODERS)
 def test_an_encoder_exported_again_computes_the_same_logits(family, tmp_path):
     """BERT's and RoBERTa's token type 0 joins the position table on import (an exact sum for
-    single-segment inputs), so their export is BERT's with zero type rows: read back, the same model."""
+    single-segment inputs), so their export is BERT's with zero type rows; BART's first two position
+    rows are never read, and export as zeros: read back, the same model."""
     ref = load_file(str(FIXTURES / family / "reference.safetensors"))
     m, model = hf.load_model(FIXTURES / family)
-    assert hf.save(m, _params(model), tmp_path).name == "bert"
+    assert hf.save(m, _params(model), tmp_path).name == ("bart" if family == "bart" else "bert")
     again, reloaded = hf.load_model(tmp_path)
     assert again == m
-    np.testing.assert_array_equal(np.asarray(reloaded(ref["input_ids"])), np.asarray(model(ref["input_ids"])))
+    np.testing.assert_array_equal(_logits(reloaded, ref["input_ids"]), _logits(model, ref["input_ids"]))
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ENCODERS])
@@ -197,7 +206,8 @@ def test_a_sharded_checkpoint_reads_as_the_single_file(tmp_path):
         (dict(window=4, use_bias=True), "model.use_bias=True"),
         (dict(window=4, qk_norm=True), "model.window=4: HF qwen3 has no such option"),
         (dict(arch="encoder"), "model.arch=encoder"),
-        (dict(arch="encoder_decoder"), "model.arch=encoder_decoder"),
+        (dict(arch="encoder_decoder"), "model.ffn=swiglu: BART"),
+        (dict(arch="encoder_decoder", ffn="gelu_exact"), "model.n_kv_heads=2: HF bart has no such option"),
         (dict(n_experts=4, top_k=2, router="sigmoid"), "model.router=sigmoid: HF mixtral has no such option"),
         (dict(n_experts=4, top_k=2, renormalize_gates=False), "model.renormalize_gates=False: HF mixtral"),
         (dict(n_experts=4, n_shared_experts=1, qkv_bias=True), "model.shared_expert_gate=False: HF qwen2_moe"),
@@ -242,6 +252,7 @@ def _edited_fixture(tmp_path, family: str, **changes):
         ("bert", {"position_embedding_type": "relative_key"}, "position_embedding_type"),
         ("bert", {"is_decoder": True}, "is_decoder"),
         ("roberta", {"pad_token_id": 0}, "pad_token_id"),
+        ("bart", {"decoder_ffn_dim": 48}, "encoder_ffn_dim"),
     ],
 )
 def test_unsupported_config_json_is_refused_naming_the_field(family, changes, field, tmp_path):

@@ -372,6 +372,46 @@ def _roberta_keys(hf: dict) -> dict:
     return keys | dict(max_seq_len=keys["max_seq_len"] - ROBERTA_OFFSET)
 
 
+def _bart_keys(hf: dict) -> dict:
+    """BART: a Post-LN encoder-decoder with biases everywhere, a GELU MLP, a learned position table
+    per stack (counted from 2) and a LayerNorm on each stack's embeddings, tied embeddings and a bias
+    on the logits."""
+    for ours, (enc, dec) in {
+        "n_heads": ("encoder_attention_heads", "decoder_attention_heads"),
+        "d_ff": ("encoder_ffn_dim", "decoder_ffn_dim"),
+    }.items():
+        if _positive(hf, enc) != _positive(hf, dec):
+            raise _refuse(enc, f"differs from {dec}: this model's stacks share model.{ours}")
+    if not _flag(hf, "tie_word_embeddings", True):
+        raise _refuse("tie_word_embeddings", "false is not supported (BART's head is its shared embeddings)")
+    D, N = _positive(hf, "d_model"), _positive(hf, "decoder_attention_heads")
+    if D % N:
+        raise _refuse("d_model", f"{D} is not a multiple of decoder_attention_heads ({N})")
+    return dict(
+        arch="encoder_decoder",
+        d_model=D,
+        n_layers=_positive(hf, "decoder_layers"),
+        n_encoder_layers=_positive(hf, "encoder_layers"),
+        n_heads=N,
+        n_kv_heads=N,
+        head_dim=D // N,
+        d_ff=_positive(hf, "decoder_ffn_dim"),
+        vocab_size=_positive(hf, "vocab_size"),
+        max_seq_len=_positive(hf, "max_position_embeddings"),
+        position="learned",
+        encoder_positions=True,
+        norm="layernorm",
+        norm_eps=1e-5,  # BART's LayerNorms keep torch's default
+        norm_position="post",
+        embedding_norm=True,
+        embed_scale=_flag(hf, "scale_embedding", False),
+        ffn=_choice(hf, "activation_function", MLP_ACTIVATIONS),
+        use_bias=True,
+        tie_embeddings=True,
+        output_bias=True,
+    )
+
+
 def _gpt2_keys(hf: dict) -> dict:
     for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
         if _flag(hf, name, False):
@@ -507,6 +547,23 @@ def _bert_json(m: ModelConfig) -> dict:
     }
 
 
+def _bart_json(m: ModelConfig) -> dict:
+    stacks = {"encoder": m.n_encoder_layers, "decoder": m.n_layers}
+    return {
+        "d_model": m.d_model,
+        **{f"{s}_layers": n for s, n in stacks.items()},
+        **{f"{s}_attention_heads": m.n_heads for s in stacks},
+        **{f"{s}_ffn_dim": m.d_ff for s in stacks},
+        "activation_function": {v: k for k, v in MLP_ACTIVATIONS.items() if k != "gelu_new"}[m.ffn],
+        "max_position_embeddings": m.max_seq_len,
+        "scale_embedding": m.embed_scale,
+        "vocab_size": m.vocab_size,
+        "tie_word_embeddings": True,
+        "is_encoder_decoder": True,
+        **dict.fromkeys(("dropout", "attention_dropout", "activation_dropout"), 0.0),
+    }
+
+
 def _gpt2_json(m: ModelConfig) -> dict:
     return {
         "n_embd": m.d_model,
@@ -580,6 +637,8 @@ class Layout:
 def stack_layers(m: ModelConfig, stack: str) -> list[int]:
     """The model's layer indices a layer stack holds, in order: the MoE layers in `moe_blocks`, the
     others in `blocks` (all of them in a dense model)."""
+    if stack == "encoder_blocks":
+        return list(range(m.n_encoder_layers or 0))
     return [i for i, moe in enumerate(m.moe_layers) if moe == (stack == "moe_blocks")]
 
 
@@ -782,6 +841,71 @@ def _bert_layout(prefix: str, head: str, head_norm: str, offset: int) -> Layout:
 
 
 BERT = _bert_layout("bert.", "cls.predictions.transform.", "cls.predictions.transform.LayerNorm", 0)
+
+
+def _bart_positions_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    return xs[0][ROBERTA_OFFSET:]
+
+
+def _bart_positions_out(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return [np.concatenate([np.zeros((ROBERTA_OFFSET, x.shape[1]), x.dtype), x])]
+
+
+def _bias_row_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """final_logits_bias [1, V] -> the padded vocabulary's [V']."""
+    return _pad_vocab(m, [xs[0].reshape(-1)])
+
+
+def _bias_row_out(m: ModelConfig, x: np.ndarray) -> Arrays:
+    return [x[None, : m.vocab_size]]
+
+
+def _bart_attention(ours: str, theirs: str) -> tuple[Rule, ...]:
+    """An attention's q, k, v and output projections with their biases (BART's names)."""
+    qkv = tuple(f"{theirs}.{p}_proj" for p in "qkv")
+    return (
+        Rule(f"{ours}/qkv", tuple(n + ".weight" for n in qkv), _qkv_in, _qkv_out),
+        Rule(f"{ours}/qkv_bias", tuple(n + ".bias" for n in qkv), _qkv_bias_in, _qkv_bias_out),
+        Rule(f"{ours}/out", (f"{theirs}.out_proj.weight",), _out_in, _out_out),
+        Rule(f"{ours}/out_bias", (f"{theirs}.out_proj.bias",)),
+    )
+
+
+def _bart_stack(ours: str, theirs: str, cross: bool) -> tuple[Rule, ...]:
+    """One stack's layers: self-attention, cross-attention (the decoder's), the MLP, each with its norm."""
+    layer = f"model.{theirs}.layers.{{l}}."
+    parts = [("attn", "self_attn", "self_attn_layer_norm")]
+    if cross:
+        parts.append(("cross_attn", "encoder_attn", "encoder_attn_layer_norm"))
+    rules: list[Rule] = []
+    for name, attention, norm in parts:
+        rules += _bart_attention(f"{ours}/{name}", layer + attention)
+        rules += [Rule(f"{ours}/{name}_norm/{p}", (f"{layer}{norm}.{q}",)) for p, q in NORM_TENSORS]
+    rules += [
+        Rule(f"{ours}/ffn/w_in", (layer + "fc1.weight",), _transposed, _transpose_back),
+        Rule(f"{ours}/ffn/b_in", (layer + "fc1.bias",)),
+        Rule(f"{ours}/ffn/w_out", (layer + "fc2.weight",), _transposed, _transpose_back),
+        Rule(f"{ours}/ffn/b_out", (layer + "fc2.bias",)),
+        *(Rule(f"{ours}/ffn_norm/{p}", (f"{layer}final_layer_norm.{q}",)) for p, q in NORM_TENSORS),
+    ]
+    return tuple(rules)
+
+
+NORM_TENSORS = (("scale", "weight"), ("bias", "bias"))
+BART = Layout(
+    (
+        Rule("embed", ("model.shared.weight",), _pad_vocab, _vocab_rows),
+        Rule("output_bias", ("final_logits_bias",), _bias_row_in, _bias_row_out),
+        Rule("pos_embed", ("model.decoder.embed_positions.weight",), _bart_positions_in, _bart_positions_out),
+        Rule("encoder_pos_embed", ("model.encoder.embed_positions.weight",), _bart_positions_in, _bart_positions_out),
+        *(Rule(f"embed_norm/{p}", (f"model.decoder.layernorm_embedding.{q}",)) for p, q in NORM_TENSORS),
+        *(Rule(f"encoder_embed_norm/{p}", (f"model.encoder.layernorm_embedding.{q}",)) for p, q in NORM_TENSORS),
+        *_bart_stack("encoder_blocks", "encoder", cross=False),
+        *_bart_stack("blocks", "decoder", cross=True),
+    ),
+    # the stacks' and the head's copies of the shared embeddings
+    ignored=r"^(model\.(encoder|decoder)\.embed_tokens\.weight|lm_head\.weight)$",
+)
 ROBERTA = _bert_layout("roberta.", "lm_head.", "lm_head.layer_norm", ROBERTA_OFFSET)
 # Gemma's sandwich: a norm before and after each sublayer
 GEMMA = Layout(
@@ -910,6 +1034,7 @@ FAMILIES = {
         Family("bert", "BertForMaskedLM", _bert_keys, _bert_json, BERT),
         # exported as BERT (export_family never picks it): its positions' offset hangs on the pad id
         Family("roberta", "RobertaForMaskedLM", _roberta_keys, _bert_json, ROBERTA),
+        Family("bart", "BartForConditionalGeneration", _bart_keys, _bart_json, BART),
         Family("gemma2", "Gemma2ForCausalLM", _gemma_keys, _gemma_json, GEMMA),
         Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_keys, _gemma_json, GEMMA),
         Family("mixtral", "MixtralForCausalLM", _mixtral_keys, _mixtral_json, MIXTRAL),
@@ -1172,10 +1297,18 @@ NO_EQUIVALENT = "none of the Hugging Face families here (gpt2, llama, mistral, q
 
 def _family_candidate(m: ModelConfig) -> Family:
     """The one family that could compute what `m` does, or an HFError saying why none can."""
-    if m.norm_offset or m.embed_scale:  # Gemma's marks; anything else Gemma lacks, the round trip names
-        return FAMILIES["gemma3_text" if m.qk_norm else "gemma2"]
-    if m.mlm_head:  # BERT's mark
+    # the one family of each kind of model, or of its marks; anything else the family lacks, the
+    # config.json round trip of export_family names
+    if m.arch == "encoder_decoder":
+        if m.gated_ffn:
+            raise HFError(
+                "--export-hf", f"model.ffn={m.ffn}: BART (the encoder-decoder) has a plain MLP (gelu, gelu_exact, relu)"
+            )
+        return FAMILIES["bart"]
+    if m.mlm_head:
         return FAMILIES["bert"]
+    if m.norm_offset or m.embed_scale:
+        return FAMILIES["gemma3_text" if m.qk_norm else "gemma2"]
     reasons = [
         (m.position not in ("learned", "rope"), f"model.position={m.position}: {NO_EQUIVALENT} encodes positions so"),
         (m.norm_position != "pre", f"model.norm_position={m.norm_position}: {NO_EQUIVALENT} places norms so"),
