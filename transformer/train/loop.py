@@ -381,8 +381,9 @@ class TrainLoop:
         """Do the parameters of checkpoint `step` keep the loss of the last normal step's batch (data
         batch step - 1, the one its last update trained on) within the monitor's limit (mean +
         threshold * std of the window)? One judge_step (the training function, as the limit's losses
-        are), on the clean batch; a sound state is kept for the rollback. Everything it reads is a function of the trajectory, so a resumed run judges
-        alike (and a journaled rollback is replayed without judging again)."""
+        are), on the clean batch; a sound state is kept for the rollback. Everything it reads is a
+        function of the trajectory, so a resumed run judges alike (and a journaled rollback is
+        replayed without judging again)."""
         assert self.checkpointer is not None  # rollback_target asks only with checkpoints
         limit = self.monitor.loss_limit(up_to=step)
         self.judged = {"checkpoint_sound": False, "loss_limit": limit}
