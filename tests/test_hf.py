@@ -348,6 +348,24 @@ def test_fine_tune_from_a_checkpoint_then_export_it(tmp_path, capsys):
     assert exported == pytest.approx(trained, abs=1e-6) and abs(trained - pretrained) > 1e-4
 
 
+@pytest.mark.parametrize(("family", "objective"), [("bert", "mlm"), ("bart", "span")])
+def test_an_encoder_or_encoder_decoder_checkpoint_fine_tunes_with_its_objective(family, objective, tmp_path):
+    """The objective is checked against the checkpoint's architecture (an encoder's mlm), not the
+    default decoder's: train.py fine-tunes, and its export loads back as the same family."""
+    from conftest import write_corpus
+
+    from transformer.cli import eval_main, train_main
+
+    corpus = write_corpus(tmp_path / "docs.jsonl", seed=3, n=60)
+    run = tmp_path / "run"
+    argv = [f"model.init_from={FIXTURES / family}", f"data.objective={objective}", f"data.source=files:{corpus}"]
+    argv += [f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=16", "data.val_windows=4", "train.batch_size=4"]
+    argv += ["train.steps=2", "train.eval_every=2", "checkpoint.every=2", "train.eval_tasks=[]"]
+    assert train_main([*argv, "logging.tensorboard=false", "logging.progress=false", "--workdir", str(run)]) == 0
+    assert eval_main(["--workdir", str(run), "--export-hf", str(tmp_path / "out")]) == 0
+    assert hf.model_config(tmp_path / "out").arch == hf.model_config(FIXTURES / family).arch
+
+
 def test_the_byte_tokenizer_exports_as_a_hugging_face_tokenizer_of_the_same_ids():
     from transformer.data.tokenizer import ByteTokenizer, HFTokenizer
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from transformer.config import Config, ConfigError
-from transformer.config_loader import load_config
 from transformer.errors import EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE
 
 if TYPE_CHECKING:  # imported when a sweep file is run, not for every train.py
@@ -107,11 +106,12 @@ def train_main(argv: list[str] | None = None) -> int:
         args.overrides.append(f"logging.profile='{args.profile}'")
     try:
         sweep = load_sweep(args.config, args.overrides)
-        cfg = load_config(args.config, args.overrides) if sweep is None else None
-        if cfg is not None and cfg.model.init_from is not None:  # the architecture from its config.json
-            from transformer.io import with_pretrained
+        if sweep is None:  # with model.init_from: the architecture from its config.json
+            from transformer.io import load_run_config
 
-            cfg = with_pretrained(cfg, args.config, args.overrides)
+            cfg = load_run_config(args.config, args.overrides)
+        else:
+            cfg = None
     except ConfigError as e:
         _fail("train.py", f"config: {e}")
     if sweep is not None:

@@ -14,10 +14,7 @@ from transformer.io import hf
 def pretrained_config(path: Path, overrides: Sequence[str] = ()) -> Config:
     """What `eval.py --hf PATH` evaluates with: the default config with model.init_from=PATH, and the
     overrides (data.source=..., mesh.*)."""
-    from transformer.config_loader import load_config
-
-    given = [f"model.init_from={path}", *overrides]
-    return hf.with_pretrained(load_config(None, given), None, given)
+    return hf.load_run_config(None, [f"model.init_from={path}", *overrides])
 
 
 def _params_on_mesh(cfg: Config, path: Path, trainer) -> dict:

@@ -21,7 +21,7 @@ from transformer.io.checkpoint import (
     partial_writes,
     state_is_finite,
 )
-from transformer.io.hf import HFError, with_pretrained
+from transformer.io.hf import HFError, load_run_config, with_pretrained
 
 __all__ = [
     "CheckpointError",
@@ -31,6 +31,7 @@ __all__ = [
     "check_writable",
     "checkpoint",
     "hf",
+    "load_run_config",
     "meta_record",
     "partial_writes",
     "state_is_finite",

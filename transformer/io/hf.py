@@ -1539,6 +1539,23 @@ def tokenizer_note(cfg: Config) -> str | None:
     )
 
 
+def load_run_config(config_path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """`load_config`, and for a config naming model.init_from, `with_pretrained` of it: the
+    checkpoint's architecture fills the model keys the config leaves to it before the whole config is
+    checked, so that what depends on the model (an encoder's data.objective, say) is checked against
+    the model the run will have."""
+    from transformer.config_loader import from_dict, load_raw
+
+    raw = load_raw(config_path, overrides)
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("init_from"), str):  # none, or a mistake from_dict names
+        return from_dict(raw)
+    written = _written_keys(config_path, list(overrides))
+    arch = architecture(Path(model["init_from"]).expanduser())
+    left = {k: list(v) if isinstance(v, tuple) else v for k, v in arch.items() if f"model.{k}" not in written}
+    return with_pretrained(from_dict({**raw, "model": {**model, **left}}), config_path, overrides)
+
+
 def with_pretrained(cfg: Config, config_path: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """`cfg` with the architecture of its model.init_from checkpoint, and its tokenizer when the
     config names none. A model key the config sets to a value config.json contradicts is refused
