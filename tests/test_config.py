@@ -234,6 +234,7 @@ INVALID = [
     (["model.window=64", "model.attention_pattern=[local,foo]"], "model.attention_pattern[1]", "foo"),
     (["model.window=64", "model.attention_pattern=[]"], "model.attention_pattern", "at least one"),
     (["model.rope_local_theta=1e4"], "model.rope_local_theta", "model.window"),
+    (["model.position=t5_relative", "model.rel_buckets=1"], "model.rel_buckets", ">= 2"),
     (["model.encoder_positions=true", "model.position=learned"], "model.encoder_positions", "encoder_decoder"),
     (["model.window=64", "model.rope_local_theta=1e4", "model.position=alibi"], "model.rope_local_theta", "rope"),
     (["model.window=64", "model.rope_local_theta=0"], "model.rope_local_theta", "> 0"),

@@ -173,8 +173,10 @@ def decode_step_by_step(graphdef, params, source_BxS, enc_segments_BxS, tokens_B
             norm="layernorm",
             use_bias=True,
         ),
+        # T5's: a relative bias table per stack, its distances past the rows' length bucketed
+        dict(position="t5_relative", rel_buckets=8, rel_max_distance=6, attn_scale=1.0, tie_embeddings=False),
     ],
-    ids=["gqa-rope", "mqa-alibi-post-qknorm", "pattern-sandwich-learned", "deepnorm-bias-einsum", "mla", "bart"],
+    ids=["gqa-rope", "mqa-alibi-post-qknorm", "pattern-sandwich-learned", "deepnorm-bias-einsum", "mla", "bart", "t5"],
 )
 def test_cached_decoding_with_cross_attention_equals_the_full_forward(kw):
     cfg = encoder_decoder(**kw)

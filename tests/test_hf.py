@@ -26,7 +26,7 @@ from transformer.model import Transformer
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 FAMILIES = (
     *("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text"),
-    *("bert", "roberta", "bart"),
+    *("bert", "roberta", "bart", "t5"),
 )
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # stored otherwise than read: BERT's token type 0 joins the positions, BART's unused position rows
@@ -49,7 +49,10 @@ def _params(model) -> dict:
 def test_logits_equal_transformers(family):
     ref = load_file(str(FIXTURES / family / "reference.safetensors"))
     _, model = hf.load_model(FIXTURES / family)
-    np.testing.assert_allclose(_logits(model, ref["input_ids"]), ref["logits"], atol=2e-5, rtol=1e-5)
+    # T5's unscaled attention makes its fixture float32-sensitive: transformers' own float32 logits
+    # differ from its float64 ones by 1.3e-4 there (scripts/make_hf_fixtures.py)
+    atol = 5e-4 if family == "t5" else 2e-5
+    np.testing.assert_allclose(_logits(model, ref["input_ids"]), ref["logits"], atol=atol, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", [*MOE_FAMILIES, "gemma2", "gemma3_text"])
@@ -78,15 +81,16 @@ def test_the_fixtures_need_their_conventions():
         ("gemma2", dict(embed_scale=False)),
         ("gemma2", dict(norm_offset=False)),
         ("gemma3_text", dict(rope_local_theta=None)),
+        ("t5", dict(rel_max_distance=128)),  # the buckets of the longer distances move
     )
     for family, change in changes:
         ref = load_file(str(FIXTURES / family / "reference.safetensors"))
-        m, model = hf.load_model(FIXTURES / family)
+        _, model = hf.load_model(FIXTURES / family)
         params = _params(model)
         params.get("moe_blocks", {}).get("ffn", {}).pop("shared_gate", None)
         other = Transformer(dataclasses.replace(model.cfg, **change), rngs=nnx.Rngs(0))
         nnx.update(other, params)
-        assert np.abs(np.asarray(other(ref["input_ids"]))[..., : m.vocab_size] - ref["logits"]).max() > 1e-2, family
+        assert np.abs(_logits(other, ref["input_ids"]) - ref["logits"]).max() > 1e-2, family
 
 
 def test_llama3_rope_scaling_matters_in_the_fixture():
@@ -253,6 +257,8 @@ def _edited_fixture(tmp_path, family: str, **changes):
         ("bert", {"is_decoder": True}, "is_decoder"),
         ("roberta", {"pad_token_id": 0}, "pad_token_id"),
         ("bart", {"decoder_ffn_dim": 48}, "encoder_ffn_dim"),
+        ("t5", {"scale_decoder_outputs": True}, "scale_decoder_outputs"),
+        ("t5", {"feed_forward_proj": "relu"}, "feed_forward_proj"),
     ],
 )
 def test_unsupported_config_json_is_refused_naming_the_field(family, changes, field, tmp_path):

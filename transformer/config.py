@@ -34,7 +34,7 @@ Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post", "sandwich", "deepnorm"]
 Ffn = Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu", "geglu_exact", "reglu"]
 GATED_FFNS = ("swiglu", "geglu", "geglu_exact", "reglu")
-Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
+Position = Literal["learned", "sinusoidal", "rope", "alibi", "t5_relative", "none"]
 RopeScaling = Literal["none", "linear", "llama3"]
 AttentionImpl = Literal["xla", "einsum", "cudnn", "blocked", "auto"]  # auto: accelerator.choose_attention decides
 AttentionKernel = Literal["xla", "einsum", "cudnn", "blocked"]  # what a built model runs
@@ -167,6 +167,8 @@ class ModelConfig:
     position: Position = "rope"
     rope_theta: float = 10000.0
     encoder_positions: bool = False  # an encoder-decoder's encoder has a learned position table of its own (BART)
+    rel_buckets: int = 32  # t5_relative: buckets of the distance, half each way when bidirectional
+    rel_max_distance: int = 128  # t5_relative: the distance the last (logarithmic) bucket starts at
     rope_local_theta: float | None = None  # theta of the layers with a window (Gemma 3, ModernBERT); null: rope_theta
     # RoPE frequencies stretched for longer contexts: linear divides all by rope_factor; llama3
     # (Llama 3.1) divides the low ones, keeps the high ones, and blends between (see positions.py)
@@ -403,6 +405,8 @@ class ModelConfig:
                 "attention_pattern",
                 "a per-layer pattern needs model.window for its local layers",
             )
+        _check(self.rel_buckets >= 2, "rel_buckets", f"must be >= 2, got {self.rel_buckets}")
+        _check(self.rel_max_distance >= 1, "rel_max_distance", f"must be >= 1, got {self.rel_max_distance}")
         if self.rope_local_theta is not None:
             _check(self.position == "rope", "rope_local_theta", "is RoPE's: set model.position=rope")
             _check(self.rope_local_theta > 0, "rope_local_theta", f"must be > 0, got {self.rope_local_theta}")

@@ -412,6 +412,40 @@ def _bart_keys(hf: dict) -> dict:
     )
 
 
+T5_FFNS = {"gated-gelu": "geglu", "gated-silu": "swiglu", "gated-relu": "reglu"}
+
+
+def _t5_keys(hf: dict) -> dict:
+    """T5 v1.1 and Flan-T5: a Pre-LN encoder-decoder with RMSNorms, a relative position bias per stack
+    (t5_relative), unscaled attention logits, a gated FFN, no biases; the head tied or its own, never
+    scaled. (transformers 4 wrote `tie_word_embeddings` and scaled a tied head; 5 ties always and
+    writes `scale_decoder_outputs`.)"""
+    tied = _flag(hf, "tie_word_embeddings", True)
+    if _flag(hf, "scale_decoder_outputs", tied):
+        field = "scale_decoder_outputs" if "scale_decoder_outputs" in hf else "tie_word_embeddings"
+        raise _refuse(field, "T5 v1.0's head scales the decoder output by d_model^-0.5, not expressed here")
+    D, N = _positive(hf, "d_model"), _positive(hf, "num_heads")
+    return dict(
+        arch="encoder_decoder",
+        d_model=D,
+        n_layers=_optional_positive(hf, "num_decoder_layers") or _positive(hf, "num_layers"),
+        n_encoder_layers=_positive(hf, "num_layers"),
+        n_heads=N,
+        n_kv_heads=N,
+        head_dim=_positive(hf, "d_kv"),
+        d_ff=_positive(hf, "d_ff"),
+        vocab_size=_positive(hf, "vocab_size"),
+        position="t5_relative",
+        rel_buckets=_positive(hf, "relative_attention_num_buckets", 32),
+        rel_max_distance=_positive(hf, "relative_attention_max_distance", 128),
+        norm="rmsnorm",
+        norm_eps=_number(hf, "layer_norm_epsilon", 1e-6),
+        ffn=_choice(hf, "feed_forward_proj", T5_FFNS),
+        attn_scale=1.0,
+        tie_embeddings=tied,
+    )
+
+
 def _gpt2_keys(hf: dict) -> dict:
     for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
         if _flag(hf, name, False):
@@ -561,6 +595,26 @@ def _bart_json(m: ModelConfig) -> dict:
         "tie_word_embeddings": True,
         "is_encoder_decoder": True,
         **dict.fromkeys(("dropout", "attention_dropout", "activation_dropout"), 0.0),
+    }
+
+
+def _t5_json(m: ModelConfig) -> dict:
+    return {
+        "d_model": m.d_model,
+        "d_kv": m.head_dim,
+        "d_ff": m.d_ff,
+        "num_layers": m.n_encoder_layers,
+        "num_decoder_layers": m.n_layers,
+        "num_heads": m.n_heads,
+        "relative_attention_num_buckets": m.rel_buckets,
+        "relative_attention_max_distance": m.rel_max_distance,
+        "layer_norm_epsilon": m.norm_eps,
+        "feed_forward_proj": {v: k for k, v in T5_FFNS.items()}.get(m.ffn, m.ffn),
+        "vocab_size": m.vocab_size,
+        "tie_word_embeddings": m.tie_embeddings,
+        "scale_decoder_outputs": False,
+        "is_encoder_decoder": True,
+        "dropout_rate": 0.0,
     }
 
 
@@ -891,6 +945,45 @@ def _bart_stack(ours: str, theirs: str, cross: bool) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+def _t5_stack(ours: str, theirs: str, cross: bool) -> tuple[Rule, ...]:
+    """One T5 stack's layers: its sublayers numbered in order (self-attention, the decoder's
+    cross-attention, the gated FFN), each with its RMSNorm; no biases."""
+    layer = f"{theirs}.block.{{l}}.layer."
+    parts = [("attn", "SelfAttention")] + ([("cross_attn", "EncDecAttention")] if cross else [])
+    rules: list[Rule] = []
+    for i, (name, attention) in enumerate(parts):
+        rules += [
+            Rule(f"{ours}/{name}/qkv", tuple(f"{layer}{i}.{attention}.{p}.weight" for p in "qkv"), _qkv_in, _qkv_out),
+            Rule(f"{ours}/{name}/out", (f"{layer}{i}.{attention}.o.weight",), _out_in, _out_out),
+            Rule(f"{ours}/{name}_norm/scale", (f"{layer}{i}.layer_norm.weight",)),
+        ]
+    ffn = f"{layer}{len(parts)}."
+    return (
+        *rules,
+        Rule(
+            f"{ours}/ffn/w_in",
+            (ffn + "DenseReluDense.wi_0.weight", ffn + "DenseReluDense.wi_1.weight"),
+            _gate_up_in,
+            _gate_up_out,
+        ),
+        Rule(f"{ours}/ffn/w_out", (ffn + "DenseReluDense.wo.weight",), _transposed, _transpose_back),
+        Rule(f"{ours}/ffn_norm/scale", (ffn + "layer_norm.weight",)),
+    )
+
+
+T5 = Layout(
+    (
+        Rule("embed", ("shared.weight",), _pad_vocab, _vocab_rows),
+        Rule("head", ("lm_head.weight",), _head_in, _head_out),
+        Rule("rel_bias", ("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",)),
+        Rule("encoder_rel_bias", ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",)),
+        Rule("final_norm/scale", ("decoder.final_layer_norm.weight",)),
+        Rule("encoder_norm/scale", ("encoder.final_layer_norm.weight",)),
+        *_t5_stack("encoder_blocks", "encoder", cross=False),
+        *_t5_stack("blocks", "decoder", cross=True),
+    ),
+    ignored=r"^(encoder|decoder)\.embed_tokens\.weight$",  # the stacks' copies of the shared embeddings
+)
 NORM_TENSORS = (("scale", "weight"), ("bias", "bias"))
 BART = Layout(
     (
@@ -1035,6 +1128,7 @@ FAMILIES = {
         # exported as BERT (export_family never picks it): its positions' offset hangs on the pad id
         Family("roberta", "RobertaForMaskedLM", _roberta_keys, _bert_json, ROBERTA),
         Family("bart", "BartForConditionalGeneration", _bart_keys, _bart_json, BART),
+        Family("t5", "T5ForConditionalGeneration", _t5_keys, _t5_json, T5),
         Family("gemma2", "Gemma2ForCausalLM", _gemma_keys, _gemma_json, GEMMA),
         Family("gemma3_text", "Gemma3ForCausalLM", _gemma3_keys, _gemma_json, GEMMA),
         Family("mixtral", "MixtralForCausalLM", _mixtral_keys, _mixtral_json, MIXTRAL),
@@ -1299,6 +1393,8 @@ def _family_candidate(m: ModelConfig) -> Family:
     """The one family that could compute what `m` does, or an HFError saying why none can."""
     # the one family of each kind of model, or of its marks; anything else the family lacks, the
     # config.json round trip of export_family names
+    if m.arch == "encoder_decoder" and m.position == "t5_relative":
+        return FAMILIES["t5"]
     if m.arch == "encoder_decoder":
         if m.gated_ffn:
             raise HFError(

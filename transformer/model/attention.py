@@ -172,20 +172,24 @@ class Attention(nnx.Module):
         cache: KVCache | None = None,
         index: int | jax.Array = 0,
         collect: bool = False,
+        bias_table: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """(attention output [B, T, D], the updated cache; None without a cache).
 
         Without a cache, causality and windows follow the token index (training, evaluation).
         With one (decoding), they follow positions: the new tokens attend to the cached keys and to
         each other, and keys with position -1 (empty slots, left padding) are never attended to.
-        With `collect`, the attention statistics are sown (see `sow_stats`).
+        With `collect`, the attention statistics are sown (see `sow_stats`). `bias_table`: the
+        stack's learned logit-bias table, where the position scheme has one (t5_relative).
         """
         q_BxTxKxGxH, entries = self.project(x_BxTxD, positions_BxT, window)
         if cache is not None and not collect:  # decoding: never dropout
-            decoded_BxTxNxH, updated = self.attend_cached(q_BxTxKxGxH, entries, positions_BxT, window, cache, index)
+            decoded_BxTxNxH, updated = self.attend_cached(
+                q_BxTxKxGxH, entries, positions_BxT, window, cache, index, bias_table
+            )
             return self.output(decoded_BxTxNxH, x_BxTxD.dtype), updated
         keys, new_cache = self.keys_and_mask(entries, positions_BxT, segment_ids_BxT, window, cache, index)
-        bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS)
+        bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS, bias_table, not self.causal)
         if collect:
             self.sow_stats(q_BxTxKxGxH, keys, bias_BxNxTxS, segment_ids_BxT, window)
         elif self.cfg.qk_clip is not None and cache is None:  # the step's forward pass: what QK-clip reads
@@ -203,12 +207,13 @@ class Attention(nnx.Module):
         window: Window,
         cache: KVCache,
         index: int | jax.Array,
+        bias_table: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Decoding: (out [B, T, N, H] of the new tokens against the cached ones and each other, the
         cache with the new entries). MLA attends to its latents here instead (absorbed)."""
         keys, new_cache = self.keys_and_mask(entries, positions_BxT, None, window, cache, index)
         assert new_cache is not None
-        bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS)
+        bias_BxNxTxS = self.positions.logit_bias(positions_BxT, keys.positions_BxS, bias_table, not self.causal)
         return self.attend(q_BxTxKxGxH, keys, bias_BxNxTxS, window, None), new_cache
 
     def output(self, out_BxTxNxH: jax.Array, dtype: jnp.dtype) -> jax.Array:

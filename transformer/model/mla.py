@@ -83,8 +83,10 @@ class MultiHeadLatentAttention(Attention):
         window: Window,
         cache: KVCache,
         index: int | jax.Array,
+        bias_table: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """As `Attention.attend_cached`, in the absorbed form where that is cheaper."""
+        """As `Attention.attend_cached`, in the absorbed form where that is cheaper (MLA is rope-only:
+        no `bias_table`)."""
         if not self.absorbs(q_BxTxKxGxH.shape[1], cache["pos"].shape[1]):
             return super().attend_cached(q_BxTxKxGxH, entries, positions_BxT, window, cache, index)
         assert self.cfg.position == "rope", "the absorbed form adds no position bias: MLA is rope-only (_check_mla)"

@@ -104,6 +104,9 @@ RULES: dict[str, Scaling] = {
     "embed": INPUT,
     "pos_embed": INPUT,
     "encoder_pos_embed": INPUT,
+    # t5_relative's bias tables [buckets, heads]: a one-hot readout of the bucket, no width in it
+    "rel_bias": VECTOR,
+    "encoder_rel_bias": VECTOR,
     "qkv": hidden("d_model", "D,KCH"),
     "out": hidden("attention", "NH,D"),
     # MLA: queries (full-rank, or down to and up from a latent of q_lora_rank), the kv latent and the

@@ -46,8 +46,20 @@ class Positions:
         `window` (None: full attention; a traced size, GLOBAL_WINDOW for full, in a scanned pattern)."""
         return x
 
-    def logit_bias(self, q_positions_BxT: jax.Array, k_positions_BxS: jax.Array) -> jax.Array | None:
-        """bias[b, n, t, s] added to the attention logits, or None for no bias."""
+    @property
+    def bias_table_shape(self) -> tuple[int, int] | None:
+        """Shape of a learned logit-bias table [buckets, heads] each stack keeps, or None."""
+        return None
+
+    def logit_bias(
+        self,
+        q_positions_BxT: jax.Array,
+        k_positions_BxS: jax.Array,
+        table: jax.Array | None = None,
+        bidirectional: bool = False,
+    ) -> jax.Array | None:
+        """bias[b, n, t, s] added to the attention logits, or None for no bias (`table`: the stack's
+        learned bias table, for a scheme that has one)."""
         return None
 
 
@@ -136,8 +148,46 @@ class AlibiPositions(Positions):
 
     n_heads: int
 
-    def logit_bias(self, q_positions_BxT: jax.Array, k_positions_BxS: jax.Array) -> jax.Array:
+    def logit_bias(self, q_positions_BxT, k_positions_BxS, table=None, bidirectional=False) -> jax.Array:
         return alibi_bias(self.n_heads, q_positions_BxT, k_positions_BxS)
+
+
+@dataclasses.dataclass(frozen=True)
+class T5RelativePositions(Positions):
+    """T5's relative attention bias: a learned bias per head and bucket of the distance k - q, the
+    buckets exact up to half their number and logarithmic up to `max_distance`; one table per stack,
+    shared by its layers (Raffel et al. 2020)."""
+
+    n_heads: int
+    buckets: int
+    max_distance: int
+
+    @property
+    def bias_table_shape(self) -> tuple[int, int]:
+        return (self.buckets, self.n_heads)
+
+    def logit_bias(self, q_positions_BxT, k_positions_BxS, table=None, bidirectional=False) -> jax.Array:
+        assert table is not None, "t5_relative needs its stack's bias table"
+        distance_BxTxS = k_positions_BxS[:, None, :] - q_positions_BxT[:, :, None]
+        bucket_BxTxS = t5_bucket(distance_BxTxS, bidirectional, self.buckets, self.max_distance)
+        return jnp.moveaxis(table[bucket_BxTxS].astype(jnp.float32), -1, 1)  # [B, N, T, S]
+
+
+def t5_bucket(distance: jax.Array, bidirectional: bool, buckets: int, max_distance: int) -> jax.Array:
+    """T5's bucket of each distance k - q (int32): a causal stack sees only the past (its half of the
+    buckets is all of them); small distances each their own bucket, larger ones logarithmically
+    binned up to `max_distance`, the last bucket beyond. As transformers computes it, in float32."""
+    offset = jnp.zeros_like(distance)
+    if bidirectional:
+        buckets //= 2
+        offset = (distance > 0).astype(jnp.int32) * buckets
+        distance = jnp.abs(distance)
+    else:
+        distance = -jnp.minimum(distance, 0)
+    exact = buckets // 2
+    ratio = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact) / math.log(max_distance / exact)
+    large = jnp.minimum(exact + (ratio * (buckets - exact)).astype(jnp.int32), buckets - 1)
+    return offset + jnp.where(distance < exact, distance, large)
 
 
 def positions_for(cfg: ModelConfig) -> Positions:
@@ -159,6 +209,8 @@ def positions_for(cfg: ModelConfig) -> Positions:
             return RotaryPositions(cfg.rope_theta, scaling, cfg.rope_local_theta)
         case "alibi":
             return AlibiPositions(cfg.n_heads)
+        case "t5_relative":
+            return T5RelativePositions(cfg.n_heads, cfg.rel_buckets, cfg.rel_max_distance)
         case "none":
             return Positions()
     raise AssertionError(cfg.position)

@@ -50,6 +50,8 @@ def count_params(cfg: ModelConfig) -> int:
     total += norm * (1 + (cfg.arch == "encoder_decoder")) if cfg.embedding_norm else 0
     total += D * D + D + norm if cfg.mlm_head else 0
     total += V if cfg.output_bias else 0
+    bias_table = positions_for(cfg).bias_table_shape
+    total += math.prod(bias_table) * (1 + (cfg.arch == "encoder_decoder")) if bias_table is not None else 0
     total += 0 if cfg.tie_embeddings else D * V
     return total
 
@@ -92,7 +94,7 @@ def _component(path: tuple) -> str:
     names = [str(p) for p in path]
     if names[0] == "embed":
         return "embedding"
-    if names[0] in ("pos_embed", "encoder_pos_embed"):
+    if names[0] in ("pos_embed", "encoder_pos_embed", "rel_bias", "encoder_rel_bias"):
         return "positions"
     if names[0] in ("head", "mlm_head", "output_bias"):
         return "output head"

@@ -118,15 +118,18 @@ class Block(nnx.Module):
         index: int | jax.Array = 0,
         collect: bool = False,
         memory: Memory | None = None,
+        bias_table: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """(the block's output, its updated KV cache; None without a cache). With `collect`,
         statistics are sown as nnx.Intermediate (attention logits and entropy, the RMS of each
         sublayer's output and of the residual stream).
         `memory`: the encoder output a decoder block cross-attends to (decoding: the cache's
-        `cross_k`/`cross_v` instead)."""
+        `cross_k`/`cross_v` instead); `bias_table`: the stack's self-attention bias table (t5_relative)."""
         attn_key, attn_drop_key, ffn_drop_key = (None, None, None) if key is None else jax.random.split(key, 3)
         h_BxTxD = self.sublayer_input(x_BxTxD, self.attn_norm)
-        y_BxTxD, new_cache = self.attn(h_BxTxD, positions_BxT, segment_ids_BxT, window, attn_key, cache, index, collect)
+        y_BxTxD, new_cache = self.attn(
+            h_BxTxD, positions_BxT, segment_ids_BxT, window, attn_key, cache, index, collect, bias_table
+        )
         x_BxTxD = self.add_sublayer(x_BxTxD, y_BxTxD, self.attn_norm, self.attn_out_norm, attn_drop_key)
         if self.cross_attn is not None:
             x_BxTxD = self.cross_residual(x_BxTxD, segment_ids_BxT, memory, cache, key, collect)
@@ -194,14 +197,17 @@ def _block_forward(
     key: jax.Array | None,
     collect: bool,
     memory: Memory | None = None,
+    bias_table: jax.Array | None = None,
 ) -> tuple[jax.Array, Stats]:
     """One block without a cache, and what it sowed, by name: with `collect`, when its FFN is a
     mixture of experts (whose routing losses the trainer needs), or under QK-clip (its heads' largest
     logits); else {}."""
     if not (collect or isinstance(block.ffn, MoE) or block.cfg.qk_clip is not None):
-        return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, memory=memory)[0], {}
+        return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, memory=memory, bias_table=bias_table)[0], {}
     forward = nnx.capture(
-        lambda m: m(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=collect, memory=memory)[0],
+        lambda m: m(
+            x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=collect, memory=memory, bias_table=bias_table
+        )[0],
         nnx.Intermediate,
     )
     x_BxTxD, sown = forward(block)
@@ -371,6 +377,14 @@ class Transformer(nnx.Module):
         self.encoder_embed_norm = Norm(cfg) if cfg.embedding_norm and encoder_decoder else None
         self.mlm_head = MLMHead(cfg, rngs=rngs) if cfg.mlm_head else None
         self.output_bias = const_param(0.0, (V,), ("vocab",), cfg) if cfg.output_bias else None
+        # t5_relative: a logit-bias table per stack, shared by its layers (drawn after the rest)
+        bias_table = self.positions.bias_table_shape
+        self.rel_bias = None if bias_table is None else normal_param(rngs, bias_table, (None, None), cfg.init_std, cfg)
+        self.encoder_rel_bias = (
+            normal_param(rngs, bias_table, (None, None), cfg.init_std, cfg)
+            if bias_table is not None and encoder_decoder
+            else None
+        )
         # model.encoder_positions: the encoder's own table (drawn after the rest)
         self.encoder_pos_embed = (
             normal_param(rngs, table, (None, "embed"), scales.positions, cfg)
@@ -411,7 +425,8 @@ class Transformer(nnx.Module):
         for name in ("blocks", "moe_blocks"):
             if getattr(self, name) is not None:
                 graphdef, states[name] = nnx.split(getattr(self, name))
-                steps[name] = self._layer_step(graphdef, positions_BxT, segment_ids_BxT, collect, memory)
+                table = None if self.rel_bias is None else self.rel_bias[...]
+                steps[name] = self._layer_step(graphdef, positions_BxT, segment_ids_BxT, collect, memory, table)
         keys_L = None if key is None else jax.random.split(key, self.cfg.n_layers)
         if len(steps) == 1:  # one kind of layer: one stack, scanned as it is
             (name,) = steps
@@ -435,7 +450,8 @@ class Transformer(nnx.Module):
         """`run_blocks` for an encoder-decoder's encoder stack and its final norm."""
         assert self.encoder_blocks is not None, "only an encoder-decoder has an encoder stack"
         graphdef, state = nnx.split(self.encoder_blocks)
-        step = self._layer_step(graphdef, positions_BxS, segment_ids_BxS, collect)
+        table = None if self.encoder_rel_bias is None else self.encoder_rel_bias[...]
+        step = self._layer_step(graphdef, positions_BxS, segment_ids_BxS, collect, bias_table=table)
         keys_L = None if key is None else jax.random.split(key, self.cfg.n_encoder_layers)
         x_BxSxD, stats_L = _over_layers(self.cfg, step, x_BxSxD, state, keys_L, self.cfg.encoder_layer_windows)
         if self.encoder_norm is not None:
@@ -449,12 +465,14 @@ class Transformer(nnx.Module):
         segment_ids_BxT: jax.Array | None,
         collect: bool,
         memory: Memory | None = None,
+        bias_table: jax.Array | None = None,
     ) -> BlockStep:
-        # the memory is the same for every layer: closed over, like the positions
+        # the memory and the stack's bias table are the same for every layer: closed over, like the positions
         def step(x: jax.Array, state_l: nnx.State, key_l: jax.Array | None, window: Window) -> tuple[jax.Array, Stats]:
             block = nnx.merge(graphdef, state_l)
             x = place(x, RESIDUAL_AXES)
-            x, stats = _block_forward(block, x, positions_BxT, segment_ids_BxT, window, key_l, collect, memory)
+            args = (block, x, positions_BxT, segment_ids_BxT, window, key_l, collect, memory, bias_table)
+            x, stats = _block_forward(*args)
             return place(x, RESIDUAL_AXES), stats
 
         return step
@@ -596,11 +614,14 @@ class Transformer(nnx.Module):
         per step), attending to the cache; returns the logits and the updated cache. Positions are per
         row (left padding has position -1)."""
         x_BxTxD = self.embed_tokens(tokens_BxT, jnp.maximum(positions_BxT, 0))
+        table = None if self.rel_bias is None else self.rel_bias[...]
         new_cache = []
         for i, window in enumerate(self.cfg.layer_windows):  # unrolled: layers may hold caches of different sizes
             # captured, so that what a MoE layer sows is collected and dropped rather than kept on the block
             forward = nnx.capture(
-                lambda b, x=x_BxTxD, w=window, c=cache[i]: b(x, positions_BxT, None, w, None, c, index),
+                lambda b, x=x_BxTxD, w=window, c=cache[i]: b(
+                    x, positions_BxT, None, w, None, c, index, bias_table=table
+                ),
                 nnx.Intermediate,
             )
             (x_BxTxD, layer_cache), _ = forward(self.layer_block(i))
