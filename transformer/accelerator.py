@@ -79,10 +79,8 @@ def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
     if m.needs_einsum_attention:
         return "einsum", "attn_softcap and attn_dropout need the einsum implementation"
     mask_reasons = [
-        (
-            m.position in ("alibi", "t5_relative"),
-            f"{m.position} adds a bias the cuDNN and blocked paths are not used with here",
-        ),
+        (m.position == "alibi", "ALiBi adds a bias the cuDNN and blocked paths are not used with here"),
+        (m.position == "t5_relative", "T5's relative bias is one the cuDNN and blocked paths are not used with here"),
         (
             cfg.data.document_mask or cfg.data.objective in SEGMENTED,
             "document masks and padding are explicit masks, not a static causal/window mask",
