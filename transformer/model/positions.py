@@ -148,7 +148,13 @@ class AlibiPositions(Positions):
 
     n_heads: int
 
-    def logit_bias(self, q_positions_BxT, k_positions_BxS, table=None, bidirectional=False) -> jax.Array:
+    def logit_bias(
+        self,
+        q_positions_BxT: jax.Array,
+        k_positions_BxS: jax.Array,
+        table: jax.Array | None = None,
+        bidirectional: bool = False,
+    ) -> jax.Array:
         return alibi_bias(self.n_heads, q_positions_BxT, k_positions_BxS)
 
 
@@ -166,7 +172,13 @@ class T5RelativePositions(Positions):
     def bias_table_shape(self) -> tuple[int, int]:
         return (self.buckets, self.n_heads)
 
-    def logit_bias(self, q_positions_BxT, k_positions_BxS, table=None, bidirectional=False) -> jax.Array:
+    def logit_bias(
+        self,
+        q_positions_BxT: jax.Array,
+        k_positions_BxS: jax.Array,
+        table: jax.Array | None = None,
+        bidirectional: bool = False,
+    ) -> jax.Array:
         assert table is not None, "t5_relative needs its stack's bias table"
         distance_BxTxS = k_positions_BxS[:, None, :] - q_positions_BxT[:, :, None]
         bucket_BxTxS = t5_bucket(distance_BxTxS, bidirectional, self.buckets, self.max_distance)
