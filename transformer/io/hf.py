@@ -152,6 +152,19 @@ GATED_ACTIVATIONS = {
 MLP_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact", "relu": "relu"}
 
 
+# the HF names each of ours is written as (gelu_new, an alias of the tanh GELU, is read only)
+GATED_NAMES = {ours: name for name, ours in GATED_ACTIVATIONS.items() if name != "gelu_new"}
+MLP_NAMES = {ours: name for name, ours in MLP_ACTIVATIONS.items() if name != "gelu_new"}
+
+
+def _mha_heads(hf: dict, width: str, heads: str) -> tuple[int, int]:
+    """(model width, heads) of a family whose heads split the width evenly (head_dim = width / heads)."""
+    D, N = _positive(hf, width), _positive(hf, heads)
+    if D % N:
+        raise _refuse(width, f"{D} is not a multiple of {heads} ({N})")
+    return D, N
+
+
 def _choice(hf: dict, name: str, table: dict[str, str]) -> str:
     value = _field(hf, name)
     if not isinstance(value, str) or value not in table:
@@ -336,9 +349,7 @@ def _bert_keys(hf: dict) -> dict:
         raise _refuse("position_embedding_type", f"{hf['position_embedding_type']!r} is not supported (absolute)")
     if not _flag(hf, "tie_word_embeddings", True):
         raise _refuse("tie_word_embeddings", "false is not supported (the prediction head decodes with the embeddings)")
-    D, N = _positive(hf, "hidden_size"), _positive(hf, "num_attention_heads")
-    if D % N:
-        raise _refuse("hidden_size", f"{D} is not a multiple of num_attention_heads ({N})")
+    D, N = _mha_heads(hf, "hidden_size", "num_attention_heads")
     return dict(
         arch="encoder",
         d_model=D,
@@ -384,9 +395,7 @@ def _bart_keys(hf: dict) -> dict:
             raise _refuse(enc, f"differs from {dec}: this model's stacks share model.{ours}")
     if not _flag(hf, "tie_word_embeddings", True):
         raise _refuse("tie_word_embeddings", "false is not supported (BART's head is its shared embeddings)")
-    D, N = _positive(hf, "d_model"), _positive(hf, "decoder_attention_heads")
-    if D % N:
-        raise _refuse("d_model", f"{D} is not a multiple of decoder_attention_heads ({N})")
+    D, N = _mha_heads(hf, "d_model", "decoder_attention_heads")
     return dict(
         arch="encoder_decoder",
         d_model=D,
@@ -450,9 +459,7 @@ def _gpt2_keys(hf: dict) -> dict:
     for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
         if _flag(hf, name, False):
             raise _refuse(name, "true is not supported")
-    D, N = _positive(hf, "n_embd"), _positive(hf, "n_head")
-    if D % N:
-        raise _refuse("n_embd", f"{D} is not a multiple of n_head ({N})")
+    D, N = _mha_heads(hf, "n_embd", "n_head")
     return dict(
         d_model=D,
         n_layers=_positive(hf, "n_layer"),
@@ -493,7 +500,6 @@ def _rope_json(m: ModelConfig) -> dict:
 
 
 def _llama_json(m: ModelConfig) -> dict:
-    acts = {v: k for k, v in GATED_ACTIVATIONS.items() if k != "gelu_new"}
     return {
         "hidden_size": m.d_model,
         "intermediate_size": m.d_ff,
@@ -501,7 +507,7 @@ def _llama_json(m: ModelConfig) -> dict:
         "num_attention_heads": m.n_heads,
         "num_key_value_heads": m.n_kv_heads,
         "head_dim": m.head_dim,
-        "hidden_act": acts[m.ffn],
+        "hidden_act": GATED_NAMES[m.ffn],
         "max_position_embeddings": max(m.max_seq_len or 0, m.rope_original_max_len + 1),
         "rms_norm_eps": m.norm_eps,
         "attention_bias": m.use_bias,
@@ -545,7 +551,6 @@ def _qwen2_moe_json(m: ModelConfig) -> dict:
 
 
 def _gemma_json(m: ModelConfig) -> dict:
-    acts = {v: k for k, v in GATED_ACTIVATIONS.items() if k != "gelu_new"}
     rope = {}
     if m.qk_norm:  # Gemma 3: a theta per kind of layer
         local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
@@ -553,7 +558,7 @@ def _gemma_json(m: ModelConfig) -> dict:
         by_type = {kind: {"rope_theta": theta, "rope_type": "default"} for kind, theta in thetas.items()}
         rope = {"rope_parameters": by_type, "rope_scaling": None}
     return {k: v for k, v in _llama_json(m).items() if k not in ("hidden_act", "mlp_bias")} | {
-        "hidden_activation": acts[m.ffn],
+        "hidden_activation": GATED_NAMES[m.ffn],
         "query_pre_attn_scalar": m.head_dim if m.attn_scale is None else round(m.attn_scale**-2),
         "attn_logit_softcapping": m.attn_softcap,
         "final_logit_softcapping": m.logit_softcap,
@@ -569,7 +574,7 @@ def _bert_json(m: ModelConfig) -> dict:
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
         "intermediate_size": m.d_ff,
-        "hidden_act": {v: k for k, v in MLP_ACTIVATIONS.items() if k != "gelu_new"}[m.ffn],
+        "hidden_act": MLP_NAMES[m.ffn],
         "max_position_embeddings": m.max_seq_len,
         "type_vocab_size": BERT_TYPES,
         "layer_norm_eps": m.norm_eps,
@@ -588,7 +593,7 @@ def _bart_json(m: ModelConfig) -> dict:
         **{f"{s}_layers": n for s, n in stacks.items()},
         **{f"{s}_attention_heads": m.n_heads for s in stacks},
         **{f"{s}_ffn_dim": m.d_ff for s in stacks},
-        "activation_function": {v: k for k, v in MLP_ACTIVATIONS.items() if k != "gelu_new"}[m.ffn],
+        "activation_function": MLP_NAMES[m.ffn],
         "max_position_embeddings": m.max_seq_len,
         "scale_embedding": m.embed_scale,
         "vocab_size": m.vocab_size,
