@@ -1398,18 +1398,19 @@ def _family_candidate(m: ModelConfig) -> Family:
     """The one family that could compute what `m` does, or an HFError saying why none can."""
     # the one family of each kind of model, or of its marks; anything else the family lacks, the
     # config.json round trip of export_family names
-    if m.arch == "encoder_decoder" and m.position == "t5_relative":
-        return FAMILIES["t5"]
+    marked = None
     if m.arch == "encoder_decoder":
-        if m.gated_ffn:
-            raise HFError(
-                "--export-hf", f"model.ffn={m.ffn}: BART (the encoder-decoder) has a plain MLP (gelu, gelu_exact, relu)"
-            )
-        return FAMILIES["bart"]
-    if m.mlm_head:
-        return FAMILIES["bert"]
-    if m.norm_offset or m.embed_scale:
-        return FAMILIES["gemma3_text" if m.qk_norm else "gemma2"]
+        marked = "t5" if m.position == "t5_relative" else "bart"
+    elif m.mlm_head:
+        marked = "bert"
+    elif m.norm_offset or m.embed_scale:
+        marked = "gemma3_text" if m.qk_norm else "gemma2"
+    if marked is not None:  # each family's FFN kind is checked here: its writer names only its own
+        plain = marked in ("bart", "bert")
+        if m.gated_ffn == plain:
+            kind = "a plain MLP (gelu, gelu_exact, relu)" if plain else f"a gated FFN ({', '.join(GATED_NAMES)})"
+            raise HFError("--export-hf", f"model.ffn={m.ffn}: {marked.upper()} has {kind}")
+        return FAMILIES[marked]
     reasons = [
         (m.position not in ("learned", "rope"), f"model.position={m.position}: {NO_EQUIVALENT} encodes positions so"),
         (m.norm_position != "pre", f"model.norm_position={m.norm_position}: {NO_EQUIVALENT} places norms so"),
