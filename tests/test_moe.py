@@ -56,6 +56,18 @@ def test_one_expert_top1_is_the_dense_ffn(capacity_factor, ffn):
     assert float(sown["layer_dropped_fraction"]) == 0.0
 
 
+def choice_scores(moe: MoE, scores: np.ndarray) -> np.ndarray:
+    """DeepSeek's choosing, written plainly for one token: the scores plus the choice bias; every
+    expert outside the token's best groups (by their best, or their two best summed) at -inf."""
+    cfg = moe.cfg
+    choice = scores + (0.0 if moe.router_bias is None else np.asarray(moe.router_bias[...], np.float64))
+    groups = choice.reshape(cfg.router_groups, -1)
+    top = 1 if cfg.router_group_score == "max" else 2
+    group_scores = np.sort(groups, axis=-1)[:, ::-1][:, :top].sum(-1)
+    best = np.argsort(-group_scores)[: cfg.router_topk_groups]
+    return np.where(np.isin(np.arange(cfg.router_groups), best)[:, None], groups, -np.inf).reshape(-1)
+
+
 def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
     """The mixture written plainly: for each token, score the experts, take the top k, weigh each
     chosen expert's FFN output by its gate (renormalised over the k when k > 1 unless the config
@@ -73,8 +85,9 @@ def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
                 scores = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
             else:
                 scores = 1 / (1 + np.exp(-logits))
-            chosen = np.argsort(-scores)[: cfg.top_k]
+            chosen = np.argsort(-choice_scores(moe, scores))[: cfg.top_k]
             gates = scores[chosen] / (scores[chosen].sum() if cfg.top_k > 1 and cfg.renormalize_gates else 1.0)
+            gates = gates * cfg.routed_scale
             for e, g in zip(chosen, gates):
                 if cfg.gated_ffn:
                     h = np.asarray(act(x[b, t] @ w_in[e, :, 0])) * (x[b, t] @ w_in[e, :, 1])
@@ -98,6 +111,20 @@ def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
         dict(top_k=3, capacity_factor=100.0, router="sigmoid", n_shared_experts=1),
         # Qwen-MoE: the top-k scores as they are, and a gated shared expert
         dict(top_k=2, capacity_factor=None, renormalize_gates=False, n_shared_experts=2, shared_expert_gate=True),
+        # DeepSeek-V2: group-limited (each group by its best), scaled gates; V3: sigmoid, a bias for choosing,
+        # groups by their two best
+        dict(n_experts=8, top_k=3, capacity_factor=None, router_groups=4, router_topk_groups=2, routed_scale=2.5),
+        dict(
+            n_experts=8,
+            top_k=2,
+            capacity_factor=None,
+            router="sigmoid",
+            router_bias=True,
+            router_groups=2,
+            router_topk_groups=1,
+            router_group_score="top2",
+            n_shared_experts=1,
+        ),
     ],
     ids=[
         "top1-dropless",
@@ -105,18 +132,57 @@ def loop_reference(moe: MoE, x_BxTxD) -> np.ndarray:
         "top2-capacity-inf-gelu",
         "top3-sigmoid-capacity-inf-shared",
         "top2-unnormalised-gated-shared",
+        "top3-grouped-scaled",
+        "top2-sigmoid-biased-grouped-by-two",
     ],
 )
 def test_without_drops_the_output_is_the_per_token_loop(kw):
     cfg = moe_cfg(**kw)
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     moe.router[...] = moe.router[...] * 50  # distinct scores, so ties cannot reorder the choice
+    if moe.router_bias is not None:  # a bias that moves the choice (sigmoid scores are in (0, 1))
+        moe.router_bias[...] = jax.random.uniform(jax.random.key(3), moe.router_bias.shape, minval=-0.5, maxval=0.5)
     if moe.shared_gate is not None:  # gates well away from 1/2 and from each other
         moe.shared_gate[...] = moe.shared_gate[...] * 50
     x = random_x(cfg)
     y, sown = run_moe(moe, x)
     np.testing.assert_allclose(np.asarray(y), loop_reference(moe, x), rtol=1e-4, atol=1e-6)
     assert float(sown["layer_dropped_fraction"]) == 0.0
+
+
+def test_the_choice_bias_chooses_but_never_gates_and_nothing_moves_it():
+    """DeepSeek-V3's bias: a large one on expert 2 sends every token there, gated by its unbiased
+    sigmoid score; no gradient reaches the bias, and weight decay is masked off it (so no optimiser,
+    whose update from a zero gradient is zero, moves it)."""
+    from transformer.train.optim import decay_mask
+
+    cfg = moe_cfg(top_k=1, router="sigmoid", router_bias=True, capacity_factor=None, n_layers=1)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    moe.router_bias[...] = jnp.asarray([0.0, 0.0, 10.0, 0.0])
+    x = random_x(cfg)
+    y, sown = run_moe(moe, x)
+    assert float(sown["expert_load_2"]) == 1.0
+    np.testing.assert_allclose(np.asarray(y), loop_reference(moe, x), rtol=1e-4, atol=1e-6)
+    graphdef, params = nnx.split(moe, nnx.Param)
+    grads = jax.grad(lambda p: jnp.sum(run_moe(nnx.merge(graphdef, p), x)[0] ** 2))(params)
+    assert not np.any(np.asarray(grads["router_bias"][...])) and np.any(np.asarray(grads["router"][...]))
+    mask = decay_mask(nnx.to_pure_dict(params), decay_embeddings=False)
+    assert mask["router_bias"] is False and mask["router"] is True
+
+
+def test_dense_layers_first_then_moe_scanned_equal_unrolled():
+    """model.moe_first_dense: layer 0 dense, 1 and 2 MoE, each run a scan of its own stack."""
+    kw = dict(moe_first_dense=1, n_layers=3, window=3, attention_pattern=("local", "global"), capacity_factor=None)
+    model, unrolled = build(moe_cfg(**kw)), build(moe_cfg(**kw, scan_layers=False))
+    assert model.cfg.moe_layers == (False, True, True)
+    tokens = jnp.arange(2 * T).reshape(2, T) % model.cfg.vocab_size
+    (a, ra), (b, rb) = model.forward(tokens), unrolled.forward(tokens)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert ra.keys() == rb.keys() and ra
+    sa, sb = model.stability_stats(tokens), unrolled.stability_stats(tokens)
+    for k in sa:
+        np.testing.assert_allclose(sa[k], sb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert sa["residual_rms"].shape == (3,) and sa["router_entropy"].shape == (2,)
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
@@ -177,6 +243,7 @@ def test_router_gets_gradients_from_the_output(kw):
         dict(moe_every=2, n_layers=4, n_shared_experts=1, moe_d_ff=24),
         dict(n_shared_experts=2, shared_expert_gate=True),
         dict(ffn="gelu", top_k=1, n_experts=3, moe_every=3, n_layers=3),
+        dict(n_layers=3, moe_first_dense=2, router_bias=True, router="sigmoid"),
     ],
 )
 def test_total_and_active_parameters_match_the_tree(kw):
@@ -221,11 +288,18 @@ def test_mixed_layers_scanned_equal_unrolled():
         ("model.capacity_factor=0", "model.capacity_factor"),
         ("mesh.expert=3", "mesh.expert"),
         ("model.shared_expert_gate=true", "model.shared_expert_gate"),  # no shared experts to gate
+        ("model.router_groups=3", "model.router_groups"),  # 4 experts
+        ("model.router_topk_groups=2", "model.router_topk_groups"),  # of 1 group
+        ("model.router_groups=4", "model.top_k"),  # 2 experts from 1 group of 1
+        ("model.router_groups=4 model.router_topk_groups=2 model.router_group_score=top2", "model.router_group_score"),
+        ("model.moe_first_dense=2", "model.moe_first_dense"),  # of 2 layers
+        ("model.moe_first_dense=1 model.moe_every=2", "model.moe_first_dense"),
+        ("model.routed_scale=0", "model.routed_scale"),
     ],
 )
 def test_impossible_moe_sizes_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["model.n_layers=2", "model.n_experts=4", override])
+        load_config(None, ["model.n_layers=2", "model.n_experts=4", "model.top_k=2", *override.split()])
     assert e.value.key == key
 
 
@@ -235,6 +309,10 @@ def test_impossible_moe_sizes_name_the_key(override, key):
         ("mesh.expert=2", "mesh.expert"),
         ("model.moe_d_ff=64", "model.moe_d_ff"),
         ("model.renormalize_gates=false", "model.renormalize_gates"),
+        ("model.router_bias=true", "model.router_bias"),
+        ("model.router_groups=2", "model.router_groups"),
+        ("model.moe_first_dense=1", "model.moe_first_dense"),
+        ("model.routed_scale=2.5", "model.routed_scale"),
     ],
 )
 def test_expert_settings_without_experts_are_refused(override, key):

@@ -35,7 +35,7 @@ NormPosition = Literal["pre", "post", "sandwich", "deepnorm"]
 Ffn = Literal["relu", "gelu", "gelu_exact", "swiglu", "geglu", "geglu_exact", "reglu"]
 GATED_FFNS = ("swiglu", "geglu", "geglu_exact", "reglu")
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "t5_relative", "none"]
-RopeScaling = Literal["none", "linear", "llama3"]
+RopeScaling = Literal["none", "linear", "llama3", "yarn"]
 AttentionImpl = Literal["xla", "einsum", "cudnn", "blocked", "auto"]  # auto: accelerator.choose_attention decides
 AttentionKernel = Literal["xla", "einsum", "cudnn", "blocked"]  # what a built model runs
 AttentionKind = Literal["mha", "mla"]  # mha covers GQA and MQA through n_kv_heads
@@ -45,6 +45,7 @@ Remat = Literal["none", "full", "dots", "dots_no_batch"]
 DType = Literal["float32", "bfloat16", "float16"]
 ComputeDType = Literal["auto", "float32", "bfloat16", "float16"]  # auto: accelerator.choose_dtype decides
 Router = Literal["softmax", "sigmoid"]
+GroupScore = Literal["max", "top2"]  # a group of experts scored by its best, or its two best summed
 Parametrization = Literal["standard", "mup"]  # mup: model/parametrization.py
 DepthScaling = Literal["none", "depth_mup", "complete_p"]  # on top of mup: model/parametrization.py
 # µP's base shape: the sizes a µP model's hyperparameters were tuned at (ModelConfig._resolve_mup_base)
@@ -176,7 +177,13 @@ class ModelConfig:
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_len: int = 8192  # llama3 only: the context the model was pretrained with
+    rope_original_max_len: int = 8192  # llama3, yarn: the context the model was pretrained with
+    # yarn (Peng et al. 2023): frequencies below beta_slow rotations over the original context
+    # interpolated by rope_factor, above beta_fast kept, a ramp between; rotated parts times
+    # rope_attention_factor (null: YaRN's 0.1 ln(rope_factor) + 1)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
     norm: Norm = "rmsnorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
@@ -221,6 +228,16 @@ class ModelConfig:
     moe_every: int = 1  # layers k-1, 2k-1, ... are MoE, the others dense (n_layers a multiple of k)
     router: Router = "softmax"  # softmax then top-k, or sigmoid scores (DeepSeek-V3)
     renormalize_gates: bool = True  # top_k > 1: the chosen gates over their sum; false: the scores as they are
+    routed_scale: float = 1.0  # the routed experts' gates times this (DeepSeek's routed_scaling_factor)
+    # a per-expert bias added to the scores for choosing experts only, never to the gates (DeepSeek-V3's
+    # e_score_correction_bias); no gradient reaches it, nor does the optimiser
+    router_bias: bool = False
+    # group-limited routing (DeepSeek): the experts in router_groups equal groups, each scored by
+    # router_group_score, and a token's experts chosen from its router_topk_groups best groups
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_score: GroupScore = "max"
+    moe_first_dense: int = 0  # the first k layers dense, the rest MoE (DeepSeek's first_k_dense_replace)
     shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x . w), per token (Qwen2-MoE)
     capacity_factor: float | None = 1.25  # expert slots per row = factor * T * top_k / n_experts; null: dropless
     moe_aux_loss: float = 0.01  # weight of the Switch load-balancing loss (0: off)
@@ -411,6 +428,10 @@ class ModelConfig:
             _check(self.position == "rope", "rope_local_theta", "is RoPE's: set model.position=rope")
             _check(self.rope_local_theta > 0, "rope_local_theta", f"must be > 0, got {self.rope_local_theta}")
             _check(self.window is not None, "rope_local_theta", "is the windowed layers' theta: set model.window")
+            _check(self.rope_scaling != "yarn", "rope_local_theta", "has no yarn scaling here (one theta per model)")
+        yarn = ("rope_beta_fast", 32.0), ("rope_beta_slow", 1.0), ("rope_attention_factor", None)
+        for name, default in yarn if self.rope_scaling != "yarn" else ():
+            _check(getattr(self, name) == default, name, "is yarn's: set model.rope_scaling=yarn, or leave it out")
 
     def _check_scalars(self) -> None:
         for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "norm_eps", "init_std"):
@@ -423,7 +444,12 @@ class ModelConfig:
         _check(
             self.rope_original_max_len >= 1, "rope_original_max_len", f"must be >= 1, got {self.rope_original_max_len}"
         )
-        for name in ("attn_scale", "attn_softcap", "logit_softcap", "qk_clip"):
+        _check(
+            self.rope_beta_fast > self.rope_beta_slow > 0,
+            "rope_beta_fast",
+            f"must exceed rope_beta_slow ({self.rope_beta_slow}), which must be > 0; got {self.rope_beta_fast}",
+        )
+        for name in ("attn_scale", "attn_softcap", "logit_softcap", "qk_clip", "rope_attention_factor"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, f"must be > 0 or null, got {value}")
         for name in ("dropout", "attn_dropout"):
@@ -515,7 +541,10 @@ class ModelConfig:
             "gates the shared experts' output: set model.n_shared_experts > 0",
         )
         if not self.n_experts:  # a dense model keeps moe_d_ff null, as exported HF configs do
-            _check(self.renormalize_gates, "renormalize_gates", "is the routed experts' rule: only with n_experts")
+            routing: dict[str, object] = dict(renormalize_gates=True, routed_scale=1.0, router_bias=False)
+            routing |= dict(router_groups=1, router_topk_groups=1, router_group_score="max", moe_first_dense=0)
+            for name, default in routing.items():
+                _check(getattr(self, name) == default, name, "is the routed experts' rule: only with n_experts")
             _check(self.moe_d_ff is None, "moe_d_ff", "is an expert's width: set model.n_experts, or leave it out")
             _check(
                 self.n_shared_experts == 0,
@@ -536,12 +565,39 @@ class ModelConfig:
             f"n_layers ({self.n_layers}) is not a multiple of moe_every ({self.moe_every})",
         )
         _check(self.moe_d_ff >= 1, "moe_d_ff", f"must be >= 1, got {self.moe_d_ff}")
+        self._check_routing()
         _check(self.n_shared_experts >= 0, "n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
         cf = self.capacity_factor
         _check(cf is None or cf > 0, "capacity_factor", f"must be > 0 or null (dropless), got {cf}")
         for name in ("moe_aux_loss", "moe_z_loss"):
             _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _check(not self.use_bias, "use_bias", "experts have no biases: set model.use_bias=false with n_experts")
+
+    def _check_routing(self) -> None:
+        E, G, top = self.n_experts, self.router_groups, self.router_topk_groups
+        _check(self.routed_scale > 0, "routed_scale", f"must be > 0, got {self.routed_scale}")
+        _check(
+            0 <= self.moe_first_dense < self.n_layers,
+            "moe_first_dense",
+            f"must be in [0, n_layers) ({self.n_layers}), got {self.moe_first_dense}",
+        )
+        _check(
+            not self.moe_first_dense or self.moe_every == 1,
+            "moe_first_dense",
+            "leads the layers that are all MoE: not with moe_every > 1",
+        )
+        _check(G >= 1 and E % G == 0, "router_groups", f"must divide n_experts ({E}), got {G}")
+        _check(1 <= top <= G, "router_topk_groups", f"must be between 1 and router_groups ({G}), got {top}")
+        _check(
+            self.top_k <= top * E // G,
+            "top_k",
+            f"{self.top_k} experts from {top} groups of {E // G}: at most {top * E // G}",
+        )
+        _check(
+            self.router_group_score != "top2" or E // G >= 2,
+            "router_group_score",
+            f"top2 needs groups of 2 or more experts, got {E // G}",
+        )
 
     def _check_arch(self) -> None:
         _check(
@@ -583,8 +639,12 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
-        """Whether each layer's FFN is a mixture of experts (every moe_every-th, ending a group)."""
-        return tuple(bool(self.n_experts) and (i + 1) % self.moe_every == 0 for i in range(self.n_layers))
+        """Whether each layer's FFN is a mixture of experts (every moe_every-th, ending a group; none of
+        the first moe_first_dense)."""
+        return tuple(
+            bool(self.n_experts) and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
+            for i in range(self.n_layers)
+        )
 
     @property
     def at_inference(self) -> ModelConfig:

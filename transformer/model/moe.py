@@ -6,10 +6,14 @@ Axis legend, beside layers.py's: E experts, K experts per token (top_k), X slots
 (its capacity), M rows an expert computes (capacity slots of all rows, or assignments sorted by expert).
 
 Routing (`MoE.route`): `softmax` takes the top-k of softmax(logits); `sigmoid` (DeepSeek-V3) the top-k
-of sigmoid(logits). With top_k > 1 the k gates are renormalised to sum to 1 (`renormalize_gates`;
-false: the scores as they are, Qwen-MoE's `norm_topk_prob: false`); with top-1 the gate is the score
-itself (Switch), because a renormalised single gate is always 1 and the router would learn only from
-the balancing loss. Shared experts add their output, times sigmoid(x . w) per token under
+of sigmoid(logits). DeepSeek's refinements choose by other scores than they gate by: a per-expert
+`router_bias` added for choosing only (V3), and group-limited routing, the experts in `router_groups`
+groups of which a token may use its `router_topk_groups` best (V2: a group scored by its best
+expert; V3: by its two best, biased). With top_k > 1 the k gates are renormalised to sum to 1
+(`renormalize_gates`; false: the scores as they are, Qwen-MoE's `norm_topk_prob: false`); with top-1
+the gate is the score itself (Switch), because a renormalised single gate is always 1 and the router
+would learn only from the balancing loss. Then the gates times `routed_scale` (DeepSeek's
+routed_scaling_factor). Shared experts add their output, times sigmoid(x . w) per token under
 `shared_expert_gate` (Qwen2-MoE).
 
 Dispatch, decided in `MoE.__call__`:
@@ -39,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import ModelConfig
-from transformer.model.layers import ACTIVATIONS, FFN, InitScales, normal_param
+from transformer.model.layers import ACTIVATIONS, FFN, InitScales, const_param, normal_param
 from transformer.model.parametrization import output_multiplier
 
 # Step metrics, and how each reduces over the MoE layers the per-layer value `layer_<name>` every MoE
@@ -116,6 +120,7 @@ class MoE(nnx.Module):
         # n shared experts are one FFN of n times the width: their hidden units simply add up
         self.shared = FFN(cfg, rngs=rngs, width=shared, experts=True) if shared else None
         self.shared_gate = normal_param(rngs, (D,), ("embed",), cfg.init_std, cfg) if cfg.shared_expert_gate else None
+        self.router_bias = const_param(0.0, (E,), (None,), cfg) if cfg.router_bias else None
 
     def route(self, x_BxTxD: jax.Array) -> Routing:
         cfg = self.cfg
@@ -127,10 +132,36 @@ class MoE(nnx.Module):
         else:
             scores_BxTxE = jax.nn.sigmoid(logits_BxTxE)
             probs_BxTxE = scores_BxTxE / jnp.sum(scores_BxTxE, axis=-1, keepdims=True)
-        gate_BxTxK, expert_BxTxK = jax.lax.top_k(scores_BxTxE, cfg.top_k)
+        if self.router_bias is None and cfg.router_groups == 1:
+            gate_BxTxK, expert_BxTxK = jax.lax.top_k(scores_BxTxE, cfg.top_k)
+        else:  # chosen by biased scores within the best groups, gated by the scores themselves
+            choice_BxTxE = scores_BxTxE
+            if self.router_bias is not None:
+                choice_BxTxE = choice_BxTxE + self.router_bias[...].astype(jnp.float32)
+            _, expert_BxTxK = jax.lax.top_k(self.within_best_groups(choice_BxTxE), cfg.top_k)
+            gate_BxTxK = jnp.take_along_axis(scores_BxTxE, expert_BxTxK, axis=-1)
         if cfg.top_k > 1 and cfg.renormalize_gates:
             gate_BxTxK = gate_BxTxK / jnp.sum(gate_BxTxK, axis=-1, keepdims=True)
+        if cfg.routed_scale != 1.0:
+            gate_BxTxK = gate_BxTxK * cfg.routed_scale
         return Routing(logits_BxTxE, probs_BxTxE, expert_BxTxK.astype(jnp.int32), gate_BxTxK)
+
+    def within_best_groups(self, choice_BxTxE: jax.Array) -> jax.Array:
+        """The choice scores with every expert outside the token's router_topk_groups best groups at
+        -inf (as they are with one group). A group's score: its best expert's, or its two best summed."""
+        cfg = self.cfg
+        G = cfg.router_groups
+        if G == 1:
+            return choice_BxTxE
+        B, T, E = choice_BxTxE.shape
+        choice_BxTxGxS = choice_BxTxE.reshape(B, T, G, E // G)
+        if cfg.router_group_score == "max":
+            group_BxTxG = jnp.max(choice_BxTxGxS, axis=-1)
+        else:
+            group_BxTxG = jnp.sum(jax.lax.top_k(choice_BxTxGxS, 2)[0], axis=-1)
+        _, best_BxTxJ = jax.lax.top_k(group_BxTxG, cfg.router_topk_groups)
+        kept_BxTxG = jnp.any(best_BxTxJ[..., None] == jnp.arange(G), axis=-2)
+        return jnp.where(kept_BxTxG[..., None], choice_BxTxGxS, -jnp.inf).reshape(B, T, E)
 
     def experts(self, x_ExMxD: jax.Array) -> jax.Array:
         """Each expert's FFN on its own rows: [E, M, D] -> [E, M, D]."""

@@ -123,6 +123,7 @@ RULES: dict[str, Scaling] = {
     "head": OUTPUT,
     "router": OUTPUT,
     "shared_gate": OUTPUT,  # the shared experts' gate (Qwen2-MoE): d_model in, one number out
+    "router_bias": VECTOR,  # chooses experts, never gates them: no gradient reaches it
     "dense": hidden("d_model", "D,E"),  # BERT's prediction head (model.mlm_head; refused under µP)
     **{
         name: VECTOR for name in ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias", "dense_bias", "output_bias")

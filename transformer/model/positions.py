@@ -98,10 +98,35 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    yarn_attention_factor: float | None = None
 
-    def apply(self, inv_freq: jax.Array) -> jax.Array:
+    @property
+    def attention_factor(self) -> float:
+        """What the rotated parts are multiplied by: YaRN's temperature (its own, or 0.1 ln(factor) + 1)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.yarn_attention_factor is not None:
+            return self.yarn_attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    def apply(self, inv_freq: jax.Array, theta: float | jax.Array) -> jax.Array:
         """The scaled frequencies, as Hugging Face's `rope_type` of the same name computes them."""
         match self.kind:
+            case "yarn":  # a frequency's share of interpolation ramps from 0 (fast) to 1 (slow)
+                assert isinstance(theta, (int, float)), "yarn needs one theta (the config refuses rope_local_theta)"
+                dim = 2 * inv_freq.shape[0]
+
+                def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times in the context
+                    return dim * math.log(self.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+                low = max(math.floor(dim_of(self.beta_fast)), 0)
+                high: float = min(math.ceil(dim_of(self.beta_slow)), dim - 1)
+                high = high + 0.001 if low == high else high  # as transformers keeps the ramp finite
+                ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+                kept = 1 - ramp
+                return (inv_freq / self.factor) * (1 - kept) + inv_freq * kept
             case "none":
                 return inv_freq
             case "linear":  # positions divided by the factor
@@ -217,6 +242,9 @@ def positions_for(cfg: ModelConfig) -> Positions:
                 cfg.rope_low_freq_factor,
                 cfg.rope_high_freq_factor,
                 cfg.rope_original_max_len,
+                cfg.rope_beta_fast,
+                cfg.rope_beta_slow,
+                cfg.rope_attention_factor,
             )
             return RotaryPositions(cfg.rope_theta, scaling, cfg.rope_local_theta)
         case "alibi":
@@ -236,10 +264,12 @@ def rope(
 ) -> jax.Array:
     """Rotary embedding (Su et al. 2021) of x[B, T, ..., H], rotating (first half, second half) pairs."""
     half = x.shape[-1] // 2
-    inv_freq = scaling.apply(theta ** (-jnp.arange(half, dtype=jnp.float32) / half))
+    inv_freq = scaling.apply(theta ** (-jnp.arange(half, dtype=jnp.float32) / half), theta)
     angle = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
     angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
     sin, cos = jnp.sin(angle), jnp.cos(angle)
+    if scaling.attention_factor != 1.0:  # YaRN's temperature, on both queries and keys
+        sin, cos = sin * scaling.attention_factor, cos * scaling.attention_factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

@@ -39,11 +39,11 @@ def count_params(cfg: ModelConfig) -> int:
     if cfg.arch == "encoder_decoder":
         cross = mha_params(cfg) + (2 if cfg.norm_position == "sandwich" else 1) * norm
         total += L * cross + cfg.n_encoder_layers * per_layer + (norm if cfg.final_norm else 0)
-    # a MoE layer's FFN: the router and E routed plus the shared experts (and their gate), instead of
-    # the dense FFN
+    # a MoE layer's FFN: the router (and its choice bias) and E routed plus the shared experts (and
+    # their gate), instead of the dense FFN
     n_moe = sum(cfg.moe_layers)
     experts = (cfg.n_experts + cfg.n_shared_experts) * expert_params(cfg) + D * cfg.shared_expert_gate
-    total += n_moe * (D * cfg.n_experts + experts - ffn)
+    total += n_moe * ((D + cfg.router_bias) * cfg.n_experts + experts - ffn)
     table = positions_for(cfg).table_shape
     total += math.prod(table) * (1 + cfg.encoder_positions) if table is not None else 0
     total += norm if cfg.final_norm else 0
@@ -105,6 +105,7 @@ def _component(path: tuple) -> str:
     if names[0] == "moe_blocks":
         moe = {
             "router": "router",
+            "router_bias": "router",
             "w_in": "experts",
             "w_out": "experts",
             "shared": "shared ffn",

@@ -309,6 +309,28 @@ def _over_groups(
     return x_BxTxD, {n: jnp.stack([s[n] for s in per_position if n in s], axis=1).reshape(-1) for n in names}
 
 
+def _over_runs(
+    cfg: ModelConfig, steps: dict[str, BlockStep], states: dict[str, nnx.State], x_BxTxD: jax.Array, keys_L
+) -> tuple[jax.Array, Stats]:
+    """Dense layers first, then MoE layers (`moe_first_dense`): each run of layers of one stack in
+    turn, scanned (or unrolled) as a stack of its own."""
+    slots, windows = layer_slots(cfg), cfg.layer_windows
+    per_run, start = [], 0
+    while start < len(slots):
+        stack, first = slots[start]
+        end = start + 1
+        while end < len(slots) and slots[end][0] == stack:
+            end += 1
+        run = slice(first, first + end - start)
+        state = jax.tree.map(lambda a, run=run: a[run], states[stack])
+        keys = None if keys_L is None else keys_L[start:end]
+        x_BxTxD, stats = _over_layers(cfg, steps[stack], x_BxTxD, state, keys, windows[start:end])
+        per_run.append(stats)
+        start = end
+    names = dict.fromkeys(k for stats in per_run for k in stats)  # a MoE statistic over the MoE layers
+    return x_BxTxD, {k: jnp.concatenate([s[k] for s in per_run if k in s]) for k in names}
+
+
 def _unrolled(
     step: BlockStep,
     x_BxTxD: jax.Array,
@@ -433,6 +455,8 @@ class Transformer(nnx.Module):
             x_BxTxD, stats_L = _over_layers(
                 self.cfg, steps[name], x_BxTxD, states[name], keys_L, self.cfg.layer_windows
             )
+        elif self.cfg.moe_first_dense:
+            x_BxTxD, stats_L = _over_runs(self.cfg, steps, states, x_BxTxD, keys_L)
         else:
             x_BxTxD, stats_L = _over_groups(self.cfg, steps, states, x_BxTxD, keys_L)
         if self.final_norm is not None:
