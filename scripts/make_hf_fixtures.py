@@ -115,6 +115,71 @@ FIXTURES = {
         norm_topk_prob=False,
         **COMMON,
     ),
+    # MLA: DeepSeek-V2-Lite's shape (full-rank queries) with group-limited softmax routing, scaled
+    # gates, two shared experts and the first layer dense; DeepSeek-V3's (low-rank queries) with
+    # sigmoid routing, its choice bias drawn too, groups of four scored by their two best; both
+    # under YaRN stretching a context of 16 by 4, V3 with a rotary temperature of its own
+    "deepseek_v2": transformers.DeepseekV2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=24,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=16,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
+        **COMMON,
+    ),
+    "deepseek_v3": transformers.DeepseekV3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=24,
+        q_lora_rank=20,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=12,
+        num_experts_per_tok=3,
+        n_group=3,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=16,
+            mscale=1.0,
+            mscale_all_dim=0.9,
+        ),
+        **COMMON,
+    ),
     "qwen3_moe": transformers.Qwen3MoeConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -221,6 +286,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(1.0 + 0.1 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's choice bias: a saved buffer
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def auto_class(kind: str):
@@ -310,6 +378,7 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
     "llama-erf-geglu": dict(ffn="geglu_exact"),
     "llama-biases": dict(use_bias=True),
     "llama-linear-rope": dict(rope_scaling="linear", rope_factor=4.0),
+    "llama-yarn-rope": dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16, rope_attention_factor=1.2),
     "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qk_norm=True, head_dim=16),
     "mistral": dict(window=5, n_kv_heads=1),
@@ -391,6 +460,41 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         capacity_factor=None,
     ),
     "qwen3_moe": dict(n_experts=4, top_k=2, moe_d_ff=24, qk_norm=True, head_dim=16, capacity_factor=None),
+    "deepseek_v2-dense-mla": dict(attention="mla", n_kv_heads=4),
+    "deepseek_v2": dict(
+        attention="mla",
+        n_kv_heads=4,
+        n_layers=3,
+        n_experts=8,
+        top_k=2,
+        moe_d_ff=16,
+        n_shared_experts=1,
+        moe_first_dense=1,
+        router_groups=4,
+        router_topk_groups=2,
+        renormalize_gates=False,
+        routed_scale=2.0,
+        capacity_factor=None,
+    ),
+    "deepseek_v3": dict(
+        attention="mla",
+        q_lora_rank=16,
+        n_kv_heads=4,
+        n_experts=8,
+        top_k=2,
+        moe_d_ff=16,
+        n_shared_experts=1,
+        router="sigmoid",
+        router_bias=True,
+        router_groups=2,
+        router_topk_groups=1,
+        router_group_score="top2",
+        routed_scale=2.5,
+        rope_scaling="yarn",
+        rope_factor=4.0,
+        rope_original_max_len=16,
+        capacity_factor=None,
+    ),
 }
 
 

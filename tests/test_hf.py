@@ -26,9 +26,9 @@ from transformer.model import Transformer
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 FAMILIES = (
     *("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text"),
-    *("bert", "roberta", "bart", "t5"),
+    *("bert", "roberta", "bart", "t5", "deepseek_v2", "deepseek_v3"),
 )
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 # stored otherwise than read: BERT's token type 0 joins the positions, BART's unused position rows
 ENCODERS = ("bert", "roberta", "bart")
 
@@ -82,12 +82,20 @@ def test_the_fixtures_need_their_conventions():
         ("gemma2", dict(norm_offset=False)),
         ("gemma3_text", dict(rope_local_theta=None)),
         ("t5", dict(rel_max_distance=128)),  # the buckets of the longer distances move
+        ("deepseek_v2", dict(router_groups=1, router_topk_groups=1)),
+        ("deepseek_v2", dict(routed_scale=1.0)),
+        ("deepseek_v2", dict(attn_scale=None)),  # YaRN's temperature on all of MLA's logits
+        ("deepseek_v3", dict(router_bias=False)),
+        ("deepseek_v3", dict(router_group_score="max")),
+        ("deepseek_v3", dict(rope_attention_factor=None)),
+        ("deepseek_v3", dict(rope_scaling="none", rope_attention_factor=None)),
     )
     for family, change in changes:
         ref = load_file(str(FIXTURES / family / "reference.safetensors"))
         _, model = hf.load_model(FIXTURES / family)
         params = _params(model)
-        params.get("moe_blocks", {}).get("ffn", {}).pop("shared_gate", None)
+        for off in ("shared_gate", "router_bias"):
+            params.get("moe_blocks", {}).get("ffn", {}).pop(off, None)
         other = Transformer(dataclasses.replace(model.cfg, **change), rngs=nnx.Rngs(0))
         nnx.update(other, params)
         assert np.abs(_logits(other, ref["input_ids"]) - ref["logits"]).max() > 1e-2, family
@@ -134,6 +142,7 @@ EXPORTABLE = {
     "llama-untied-biases-geglu": dict(tie_embeddings=False, use_bias=True, ffn="geglu"),
     "llama-erf-geglu": dict(ffn="geglu_exact"),
     "llama-llama3-rope": dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=32),
+    "llama-yarn-rope": dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16, rope_beta_slow=2.0),
     "mistral": dict(window=5, n_kv_heads=1),
     "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qk_norm=True, head_dim=16),
@@ -170,6 +179,35 @@ EXPORTABLE = {
     ),
     "qwen3_moe": dict(n_experts=4, top_k=1, qk_norm=True, renormalize_gates=True, moe_aux_loss=0.1),
     "qwen3_moe-unnormalised": dict(n_experts=4, top_k=2, qk_norm=True, renormalize_gates=False),
+    "deepseek_v2-dense": dict(attention="mla", n_kv_heads=None, q_lora_rank=16),
+    "deepseek_v2": dict(
+        attention="mla",
+        n_kv_heads=None,
+        n_layers=3,
+        n_experts=8,
+        top_k=2,
+        n_shared_experts=2,
+        moe_first_dense=1,
+        renormalize_gates=False,
+        router_groups=4,
+        router_topk_groups=2,
+        routed_scale=16.0,
+    ),
+    "deepseek_v3": dict(
+        attention="mla",
+        n_kv_heads=None,
+        n_experts=4,
+        top_k=1,
+        router="sigmoid",
+        router_bias=True,
+        router_groups=2,
+        router_group_score="top2",
+        rope_scaling="yarn",
+        rope_factor=40.0,
+        rope_original_max_len=16,
+        rope_attention_factor=1.0,
+        attn_scale=0.3,  # YaRN's temperature on all logits: config.json's mscale_all_dim
+    ),
 }
 
 
@@ -220,6 +258,16 @@ def test_a_sharded_checkpoint_reads_as_the_single_file(tmp_path):
         (dict(n_experts=4, n_shared_experts=1, qkv_bias=True), "model.shared_expert_gate=False: HF qwen2_moe"),
         (dict(n_experts=4, top_k=2, moe_d_ff=24), "model.moe_d_ff=24: HF mixtral"),
         (dict(n_experts=4, top_k=1), "model.top_k=1: HF mixtral renormalises"),
+        (
+            dict(attention="mla", n_kv_heads=None, n_experts=4, router="sigmoid"),
+            "model.router_bias=False: HF deepseek_v3",
+        ),
+        (dict(attention="mla", n_kv_heads=None, n_experts=4, top_k=2), "model.renormalize_gates=True: HF deepseek_v2"),
+        (
+            dict(attention="mla", n_kv_heads=None, n_experts=4, router_groups=2, router_group_score="top2"),
+            "model.router_group_score=top2: HF deepseek_v2",
+        ),
+        (dict(attention="mla", n_kv_heads=None, attn_scale=0.3), "model.attn_scale=0.3: HF deepseek_v2"),
     ],
 )
 def test_export_of_a_variant_without_hf_equivalent_is_refused_in_one_line(kw, says, tmp_path):
@@ -246,7 +294,14 @@ def _edited_fixture(tmp_path, family: str, **changes):
     ("family", "changes", "field"),
     [
         ("llama", {"model_type": "falcon"}, "model_type"),
-        ("llama", {"rope_parameters.rope_type": "yarn"}, "rope_parameters.rope_type"),
+        ("llama", {"rope_parameters.rope_type": "longrope"}, "rope_parameters.rope_type"),
+        ("deepseek_v2", {"rope_parameters.truncate": False}, "rope_parameters.truncate"),
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
+        ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob"),
+        ("deepseek_v2", {"num_key_value_heads": 2}, "num_key_value_heads"),
+        ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
+        ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq"),
+        ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps"),
         ("llama", {"hidden_act": "quick_gelu"}, "hidden_act"),
         ("llama", {"attention_bias": True}, "attention_bias"),
         ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),

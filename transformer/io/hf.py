@@ -120,11 +120,16 @@ def _object(hf: dict, name: str) -> dict:
     return value or {}
 
 
-def _rope_keys(hf: dict) -> dict:
-    """RoPE theta and scaling, from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+def _rope_params(hf: dict) -> tuple[str, dict, str]:
+    """(where RoPE's parameters are, them, the rope type): `rope_parameters` (transformers 5) or `rope_scaling`."""
     where = "rope_parameters" if hf.get("rope_parameters") not in (None, {}) else "rope_scaling"
     params = _object(hf, where)
-    kind = params.get("rope_type", params.get("type", "default"))
+    return where, params, params.get("rope_type", params.get("type", "default"))
+
+
+def _rope_keys(hf: dict) -> dict:
+    """RoPE theta and scaling, from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    where, params, kind = _rope_params(hf)
     theta = _number(params, "rope_theta", None, f"{where}.") if params.get("rope_theta") is not None else None
     keys = dict(rope_theta=theta or _number(hf, "rope_theta", 10000.0))
     if kind == "default":
@@ -139,7 +144,36 @@ def _rope_keys(hf: dict) -> dict:
             rope_high_freq_factor=_number(params, "high_freq_factor", where=f"{where}."),
             rope_original_max_len=_positive(params, "original_max_position_embeddings", where=f"{where}."),
         )
-    raise _refuse(f"{where}.rope_type", f"{kind!r} is not supported (default, linear, llama3)")
+    if kind == "yarn":
+        return keys | _yarn_keys(params, where)
+    raise _refuse(f"{where}.rope_type", f"{kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature 0.1 * mscale * ln(factor) + 1 (1 where nothing is stretched), as transformers."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_keys(params: dict, where: str) -> dict:
+    """YaRN, as transformers computes it: the rotated parts times `attention_factor`, or where it is
+    absent the ratio of `mscale`'s temperature to `mscale_all_dim`'s where both are set, else YaRN's."""
+    if params.get("truncate", True) is not True:
+        raise _refuse(f"{where}.truncate", "false: here the correction range is rounded to whole dimensions")
+    factor = _number(params, "factor", where=f"{where}.")
+    factor_of = params.get("attention_factor")
+    if factor_of is not None:
+        factor_of = _number(params, "attention_factor", where=f"{where}.")
+    elif params.get("mscale") and params.get("mscale_all_dim"):
+        mscale, all_dim = (_number(params, n, where=f"{where}.") for n in ("mscale", "mscale_all_dim"))
+        factor_of = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return dict(
+        rope_scaling="yarn",
+        rope_factor=factor,
+        rope_original_max_len=_positive(params, "original_max_position_embeddings", where=f"{where}."),
+        rope_beta_fast=_number(params, "beta_fast", 32.0, f"{where}."),
+        rope_beta_slow=_number(params, "beta_slow", 1.0, f"{where}."),
+        rope_attention_factor=factor_of,
+    )
 
 
 GATED_ACTIVATIONS = {
@@ -261,6 +295,116 @@ def _qwen2_moe_keys(hf: dict) -> dict:
 
 def _qwen3_moe_keys(hf: dict) -> dict:
     return _qwen3_keys(hf) | _qwen_moe_keys(hf)
+
+
+def _count(hf: dict, name: str, default: int) -> int:
+    value = _field(hf, name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < INT_LIMIT:
+        raise _refuse(name, f"must be a whole number >= 0, got {value!r}")
+    return value
+
+
+def _deepseek_attention(hf: dict) -> dict:
+    """DeepSeek's MLA, and YaRN's temperature on all of its logits (`mscale_all_dim`: the softmax scale
+    times its temperature squared, as transformers' yarn_apply_mscale)."""
+    N = _positive(hf, "num_attention_heads")
+    if _field(hf, "num_key_value_heads", N) != N:
+        raise _refuse("num_key_value_heads", f"must equal num_attention_heads ({N}): MLA's latent serves every head")
+    if _number(hf, "rms_norm_eps", 1e-6) != 1e-6:
+        raise _refuse("rms_norm_eps", "is not 1e-6: DeepSeek's latent norms take 1e-6 whatever it says, here one eps")
+    nope, rope = _positive(hf, "qk_nope_head_dim"), _positive(hf, "qk_rope_head_dim")
+    keys = dict(
+        attention="mla",
+        n_heads=N,
+        n_kv_heads=N,
+        head_dim=_positive(hf, "hidden_size") // N,  # what MLA's sizes would derive from (all are given)
+        kv_lora_rank=_positive(hf, "kv_lora_rank"),
+        q_lora_rank=_optional_positive(hf, "q_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=_positive(hf, "v_head_dim"),
+        **_rope_keys(hf),
+    )
+    where, params, kind = _rope_params(hf)
+    if kind == "yarn" and params.get("mscale_all_dim"):
+        temperature = yarn_mscale(keys["rope_factor"], _number(params, "mscale_all_dim", where=f"{where}."))
+        keys["attn_scale"] = (nope + rope) ** -0.5 * temperature * temperature
+    return keys
+
+
+def _deepseek_keys(hf: dict, defaults: dict) -> dict:
+    """The decoder of DeepSeek-V2 and V3: MLA, RMSNorm, gated FFNs; after the first
+    `first_k_dense_replace` layers, mixtures of routed experts of `moe_intermediate_size` with
+    `n_shared_experts` beside them (`defaults`: the family's own for fields config.json leaves out)."""
+    for name in ("attention_bias", "mlp_bias"):
+        if _flag(hf, name, False):
+            raise _refuse(name, "true: MLA and DeepSeek's experts have no biases here")
+    if _field(hf, "moe_layer_freq", 1) != 1:
+        raise _refuse("moe_layer_freq", "is not 1: here every layer after first_k_dense_replace is MoE")
+    keys = dict(
+        d_model=_positive(hf, "hidden_size"),
+        n_layers=_positive(hf, "num_hidden_layers"),
+        d_ff=_positive(hf, "intermediate_size"),
+        vocab_size=_positive(hf, "vocab_size"),
+        position="rope",
+        norm="rmsnorm",
+        ffn=_choice(hf, "hidden_act", GATED_ACTIVATIONS),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", False),
+        **_deepseek_attention(hf),
+    )
+    first_dense = _count(hf, "first_k_dense_replace", defaults["first_k_dense_replace"])
+    if first_dense >= keys["n_layers"]:  # no layer is MoE: a dense MLA model
+        return keys
+    return keys | dict(
+        n_experts=_positive(hf, "n_routed_experts", defaults.get("n_routed_experts")),
+        top_k=_positive(hf, "num_experts_per_tok", defaults.get("num_experts_per_tok")),
+        moe_d_ff=_positive(hf, "moe_intermediate_size", defaults.get("moe_intermediate_size")),
+        n_shared_experts=_count(hf, "n_shared_experts", defaults["n_shared_experts"]),
+        moe_first_dense=first_dense,
+        routed_scale=_number(hf, "routed_scaling_factor", defaults["routed_scaling_factor"]),
+    )
+
+
+def _deepseek_v2_keys(hf: dict) -> dict:
+    """DeepSeek-V2: a softmax router, its top-k not renormalised (transformers' DeepSeek-V2 never
+    does), `group_limited_greedy` choosing within the `topk_group` groups of best experts."""
+    defaults = dict(first_k_dense_replace=0, n_routed_experts=64, n_shared_experts=2, routed_scaling_factor=1.0)
+    keys = _deepseek_keys(hf, defaults | dict(moe_intermediate_size=1407))
+    if "n_experts" not in keys:
+        return keys
+    if _flag(hf, "norm_topk_prob", False) and keys["top_k"] > 1:
+        raise _refuse("norm_topk_prob", "true: transformers' DeepSeek-V2 ignores it, its reference code renormalises")
+    method = _field(hf, "topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise _refuse("topk_method", f"{method!r} is not supported (greedy, group_limited_greedy)")
+    keys["renormalize_gates"] = keys["top_k"] == 1  # a lone gate is the router's score either way
+    if method == "greedy":
+        return keys
+    return keys | dict(router_groups=_positive(hf, "n_group"), router_topk_groups=_positive(hf, "topk_group"))
+
+
+def _deepseek_v3_keys(hf: dict) -> dict:
+    """DeepSeek-V3: sigmoid scores, experts chosen by the scores plus `e_score_correction_bias` from
+    the `topk_group` groups whose two best biased scores sum highest, gated by the unbiased scores
+    (renormalised with `norm_topk_prob`)."""
+    if not _flag(hf, "rope_interleave", True):
+        raise _refuse("rope_interleave", "false: here DeepSeek-V3's rotary rows are read as interleaved pairs")
+    defaults = dict(first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1, routed_scaling_factor=2.5)
+    keys = _deepseek_keys(hf, defaults | dict(num_experts_per_tok=8, moe_intermediate_size=2048))
+    if "n_experts" not in keys:
+        return keys
+    norm = _flag(hf, "norm_topk_prob", True)
+    if keys["top_k"] == 1 and norm:
+        raise _refuse("norm_topk_prob", "true with one expert per token makes its gate 1; this model's is the router's")
+    groups = _positive(hf, "n_group", 8)
+    return keys | dict(
+        router="sigmoid",
+        router_bias=True,
+        renormalize_gates=norm or keys["top_k"] == 1,
+        router_groups=groups,
+        router_topk_groups=_positive(hf, "topk_group", 4),
+        router_group_score="top2" if groups > 1 else "max",
+    )
 
 
 def _gemma_layers(hf: dict, n_layers: int) -> dict:
@@ -486,6 +630,16 @@ def _rope_json(m: ModelConfig) -> dict:
     params: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": "default"}
     if m.rope_scaling == "linear":
         params |= {"rope_type": "linear", "factor": m.rope_factor}
+    elif m.rope_scaling == "yarn":
+        params |= {
+            "rope_type": "yarn",
+            "factor": m.rope_factor,
+            "original_max_position_embeddings": m.rope_original_max_len,
+            "beta_fast": m.rope_beta_fast,
+            "beta_slow": m.rope_beta_slow,
+        }
+        if m.rope_attention_factor is not None:
+            params["attention_factor"] = m.rope_attention_factor
     elif m.rope_scaling == "llama3":
         params |= {
             "rope_type": "llama3",
@@ -499,6 +653,12 @@ def _rope_json(m: ModelConfig) -> dict:
     return {"rope_parameters": params, "rope_theta": m.rope_theta, "rope_scaling": scaling}
 
 
+def _max_positions(m: ModelConfig) -> int:
+    """config.json's max_position_embeddings: past the original context (llama3), YaRN's stretched one."""
+    stretched = round(m.rope_original_max_len * m.rope_factor) if m.rope_scaling == "yarn" else 0
+    return max(m.max_seq_len or 0, m.rope_original_max_len + 1, stretched)
+
+
 def _llama_json(m: ModelConfig) -> dict:
     return {
         "hidden_size": m.d_model,
@@ -508,7 +668,7 @@ def _llama_json(m: ModelConfig) -> dict:
         "num_key_value_heads": m.n_kv_heads,
         "head_dim": m.head_dim,
         "hidden_act": GATED_NAMES[m.ffn],
-        "max_position_embeddings": max(m.max_seq_len or 0, m.rope_original_max_len + 1),
+        "max_position_embeddings": _max_positions(m),
         "rms_norm_eps": m.norm_eps,
         "attention_bias": m.use_bias,
         "mlp_bias": m.use_bias,
@@ -548,6 +708,67 @@ def _qwen_moe_json(m: ModelConfig) -> dict:
 
 def _qwen2_moe_json(m: ModelConfig) -> dict:
     return _qwen_moe_json(m) | {"shared_expert_intermediate_size": m.n_shared_experts * m.moe_d_ff}
+
+
+def _mscale_all_dim(m: ModelConfig) -> float | None:
+    """The `mscale_all_dim` _deepseek_attention reads back as `m.attn_scale` (None: no such value)."""
+    if m.attn_scale is None or m.rope_scaling != "yarn" or m.rope_factor <= 1:
+        return None
+    base, ln = m.qk_head_dim**-0.5, math.log(m.rope_factor)
+    guess = (math.sqrt(m.attn_scale / base) - 1) / (0.1 * ln)
+    for candidate in (guess, *(guess + guess * k * 2**-52 for k in range(-64, 65))):  # rounding's neighbours
+        temperature = yarn_mscale(m.rope_factor, candidate)
+        if base * temperature * temperature == m.attn_scale:
+            return candidate
+    return None
+
+
+def _deepseek_json(m: ModelConfig) -> dict:
+    rope = _rope_json(m)
+    mscale_all_dim = _mscale_all_dim(m)
+    if mscale_all_dim is not None:
+        rope["rope_parameters"]["mscale_all_dim"] = rope["rope_scaling"]["mscale_all_dim"] = mscale_all_dim
+    config = {
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_heads,
+        "kv_lora_rank": m.kv_lora_rank,
+        "q_lora_rank": m.q_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "hidden_act": GATED_NAMES[m.ffn],
+        "max_position_embeddings": _max_positions(m),
+        "rms_norm_eps": m.norm_eps,
+        "attention_bias": False,
+        "tie_word_embeddings": m.tie_embeddings,
+        "vocab_size": m.vocab_size,
+        "first_k_dense_replace": m.moe_first_dense if m.n_experts else m.n_layers,
+        **rope,
+    }
+    if not m.n_experts:
+        return config
+    return config | {
+        "n_routed_experts": m.n_experts,
+        "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.moe_d_ff,
+        "n_shared_experts": m.n_shared_experts,
+        "routed_scaling_factor": m.routed_scale,
+        "n_group": m.router_groups,
+        "topk_group": m.router_topk_groups,
+    }
+
+
+def _deepseek_v2_json(m: ModelConfig) -> dict:
+    method = "group_limited_greedy" if m.router_groups > 1 else "greedy"
+    return _deepseek_json(m) | ({"topk_method": method, "norm_topk_prob": False} if m.n_experts else {})
+
+
+def _deepseek_v3_json(m: ModelConfig) -> dict:
+    extra = {"norm_topk_prob": m.renormalize_gates and m.top_k > 1} if m.n_experts else {}
+    return _deepseek_json(m) | {"rope_interleave": True} | extra
 
 
 def _gemma_json(m: ModelConfig) -> dict:
@@ -655,6 +876,25 @@ def _as_list(m: ModelConfig, x: np.ndarray) -> Arrays:
 
 
 @dataclasses.dataclass(frozen=True)
+class TensorPart:
+    """A parameter that is part of one 2-D HF tensor (DeepSeek's fused latent projections): the
+    tensor viewed as `shape(m)` and cut along `axis` at `at(m)`; `index` 0 is the piece before the cut."""
+
+    shape: Callable[[ModelConfig], tuple[int, ...]]
+    axis: int
+    at: Callable[[ModelConfig], int]
+    index: int
+
+    def cut(self, m: ModelConfig, x: np.ndarray) -> np.ndarray:
+        return np.split(x.reshape(self.shape(m)), [self.at(m)], axis=self.axis)[self.index]
+
+    def join(self, pieces: dict[int, np.ndarray]) -> np.ndarray:
+        """The HF tensor from its two pieces."""
+        whole = np.concatenate([pieces[0], pieces[1]], axis=self.axis)
+        return whole.reshape(-1, whole.shape[-1])
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     """A parameter of ours (its path in the parameter dict, "/"-joined) made of the HF tensors `names`
     ("{l}" in them: one set per layer of a layer-stacked parameter; "{e}": one set per expert, in
@@ -665,6 +905,7 @@ class Rule:
     to_ours: Callable[[ModelConfig, Arrays], np.ndarray] = _same
     to_hf: Callable[[ModelConfig, np.ndarray], Arrays] = _as_list
     adds: bool = False  # to_ours adds values (BERT's token type into its positions), not only moves them
+    part: TensorPart | None = None  # the parameter is part of its one HF tensor
 
     @property
     def per_layer(self) -> bool:
@@ -1055,6 +1296,94 @@ QWEN_MOE = Layout(
 )
 
 
+def _rope_halves(m: ModelConfig) -> np.ndarray:
+    """DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; this model the halves: the rows in
+    that order rotate alike, and a dot product of two vectors permuted alike is unchanged."""
+    E = m.qk_rope_head_dim
+    return np.concatenate([np.arange(0, E, 2), np.arange(1, E, 2)])
+
+
+def _mla_heads_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """q_proj or q_b_proj [N*(A+E), fan-in] -> fan-in x N x (A+E), each head's rotary rows as halves."""
+    (x,) = xs
+    A = m.qk_nope_head_dim
+    w = x.T.reshape(x.shape[1], m.n_heads, m.qk_head_dim)
+    return np.concatenate([w[..., :A], w[..., A:][..., _rope_halves(m)]], axis=-1)
+
+
+def _mla_heads_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    A = m.qk_nope_head_dim
+    w = np.concatenate([w[..., :A], w[..., A:][..., np.argsort(_rope_halves(m))]], axis=-1)
+    return [w.reshape(w.shape[0], -1).T]
+
+
+def _rope_key_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """kv_a_proj_with_mqa's rotary rows [E, D] -> D x E, as halves."""
+    return xs[0].T[:, _rope_halves(m)]
+
+
+def _rope_key_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [w[:, np.argsort(_rope_halves(m))].T]
+
+
+def _latent_up_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """kv_b_proj's key or value rows of each head [N, A or Y, R] -> R x N x (A or Y)."""
+    return xs[0].transpose(2, 0, 1)
+
+
+def _latent_up_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [w.transpose(1, 2, 0)]
+
+
+def _mla_out_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """o_proj [D, N*Y] -> N x Y x D."""
+    return xs[0].T.reshape(m.n_heads, m.v_head_dim, m.d_model)
+
+
+_A = _L + "self_attn."
+KV_DOWN = TensorPart(lambda m: (m.kv_lora_rank + m.qk_rope_head_dim, m.d_model), 0, lambda m: m.kv_lora_rank, 0)
+KV_UP = TensorPart(
+    lambda m: (m.n_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank), 1, lambda m: m.qk_nope_head_dim, 0
+)
+DEEPSEEK = Layout(
+    (
+        *(r for r in LLAMA.rules if "/attn/" not in r.path),
+        Rule("blocks/attn/wq", (_A + "q_proj.weight",), _mla_heads_in, _mla_heads_out),
+        Rule("blocks/attn/wq_down", (_A + "q_a_proj.weight",), _transposed, _transpose_back),
+        Rule("blocks/attn/q_latent_norm/scale", (_A + "q_a_layernorm.weight",)),
+        Rule("blocks/attn/wq_up", (_A + "q_b_proj.weight",), _mla_heads_in, _mla_heads_out),
+        Rule("blocks/attn/wkv_down", (_A + "kv_a_proj_with_mqa.weight",), _transposed, _transpose_back, part=KV_DOWN),
+        Rule(
+            "blocks/attn/wk_rope",
+            (_A + "kv_a_proj_with_mqa.weight",),
+            _rope_key_in,
+            _rope_key_out,
+            part=dataclasses.replace(KV_DOWN, index=1),
+        ),
+        Rule("blocks/attn/kv_latent_norm/scale", (_A + "kv_a_layernorm.weight",)),
+        Rule("blocks/attn/wk_up", (_A + "kv_b_proj.weight",), _latent_up_in, _latent_up_out, part=KV_UP),
+        Rule(
+            "blocks/attn/wv_up",
+            (_A + "kv_b_proj.weight",),
+            _latent_up_in,
+            _latent_up_out,
+            part=dataclasses.replace(KV_UP, index=1),
+        ),
+        Rule("blocks/attn/out", (_A + "o_proj.weight",), _mla_out_in, _out_out),
+        *(r for r in QWEN_MOE.rules if r.path.startswith("moe_blocks/ffn/") and "shared" not in r.path),
+        Rule("moe_blocks/ffn/router_bias", (_M + "gate.e_score_correction_bias",)),
+        Rule(
+            "moe_blocks/ffn/shared/w_in",
+            (_M + "shared_experts.gate_proj.weight", _M + "shared_experts.up_proj.weight"),
+            _gate_up_in,
+            _gate_up_out,
+        ),
+        Rule("moe_blocks/ffn/shared/w_out", (_M + "shared_experts.down_proj.weight",), _transposed, _transpose_back),
+    ),
+    ignored=LLAMA.ignored,
+)
+
+
 def _c_attn_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
     """GPT-2's fused Conv1D [D, 3*N*H] (q, k, v) -> D x N x 3 x H (K = N, G = 1)."""
     D, N, H = m.d_model, m.n_heads, m.head_dim
@@ -1139,6 +1468,8 @@ FAMILIES = {
         Family("mixtral", "MixtralForCausalLM", _mixtral_keys, _mixtral_json, MIXTRAL),
         Family("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2_moe_keys, _qwen2_moe_json, QWEN_MOE),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_keys, _qwen_moe_json, QWEN_MOE),
+        Family("deepseek_v2", "DeepseekV2ForCausalLM", _deepseek_v2_keys, _deepseek_v2_json, DEEPSEEK),
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", _deepseek_v3_keys, _deepseek_v3_json, DEEPSEEK),
     )
 }
 
@@ -1341,7 +1672,8 @@ def _converted(ckpt: Checkpoint, rule: Rule, m: ModelConfig, names: list[str], l
     # width they are exact, and fast for the dtypes numpy only knows through ml_dtypes (bfloat16).
     as_bits = all(x.dtype == like.dtype for x in xs) and not rule.adds
     try:
-        value = rule.to_ours(m, [x.view(f"u{x.dtype.itemsize}") for x in xs] if as_bits else xs)
+        ys = [x.view(f"u{x.dtype.itemsize}") for x in xs] if as_bits else xs
+        value = rule.to_ours(m, [rule.part.cut(m, y) for y in ys] if rule.part else ys)
         fits = value.shape == like.shape
     except ValueError:  # a reshape the sizes do not allow
         fits = False
@@ -1391,7 +1723,9 @@ def load_params(path: Path, m: ModelConfig, abstract: dict) -> dict:
 
 # --- writing a checkpoint -----------------------------------------------------------------------------
 
-NO_EQUIVALENT = "none of the Hugging Face families here (gpt2, llama, mistral, qwen2, qwen3, their MoE kin, gemma)"
+NO_EQUIVALENT = (
+    "none of the Hugging Face families here (gpt2, llama, mistral, qwen2, qwen3, their MoE kin, gemma, deepseek)"
+)
 
 
 def _family_candidate(m: ModelConfig) -> Family:
@@ -1421,7 +1755,7 @@ def _family_candidate(m: ModelConfig) -> Family:
             f"model.ffn={m.ffn}: GPT-2 (learned positions) has a plain MLP (gelu, gelu_exact, relu)",
         ),
         (
-            m.n_experts > 0 and m.top_k == 1 and not (m.qk_norm or m.n_shared_experts),
+            m.n_experts > 0 and m.top_k == 1 and not (m.qk_norm or m.n_shared_experts or m.attention == "mla"),
             "model.top_k=1: HF mixtral renormalises a lone gate to 1, where this model's is the router's probability",
         ),
         (
@@ -1434,6 +1768,8 @@ def _family_candidate(m: ModelConfig) -> Family:
             raise HFError("--export-hf", why)
     if m.position == "learned":
         return FAMILIES["gpt2"]
+    if m.attention == "mla":
+        return FAMILIES["deepseek_v3" if m.router == "sigmoid" else "deepseek_v2"]
     if m.n_experts:  # what each family cannot hold (a sigmoid router, ...) its config.json round trip names
         return FAMILIES["qwen3_moe" if m.qk_norm else "qwen2_moe" if m.n_shared_experts else "mixtral"]
     if m.qk_norm:
@@ -1469,14 +1805,20 @@ def hf_config(m: ModelConfig, family: Family, token_ids: dict[str, Any]) -> dict
 
 def hf_tensors(m: ModelConfig, family: Family, params: dict) -> dict[str, np.ndarray]:
     """The parameters as the family's tensors (host arrays, one at a time from the devices)."""
-    tensors = {}
+    tensors: dict[str, np.ndarray] = {}
+    pieces: dict[str, tuple[TensorPart, dict[int, np.ndarray]]] = {}
     for key, leaf in _flatten(params).items():
         rule = family.layout.rule(key)
         host = np.asarray(jax.device_get(leaf))
         for j in range(host.shape[0]) if rule.per_layer else [None]:
             values = rule.to_hf(m, host if j is None else host[j])
             names = tensor_names(m, rule, key, j)
-            tensors.update({n: np.ascontiguousarray(v) for n, v in zip(names, values)})
+            if rule.part is None:
+                tensors.update({n: np.ascontiguousarray(v) for n, v in zip(names, values)})
+                continue
+            for n, v in zip(names, values):
+                pieces.setdefault(n, (rule.part, {}))[1][rule.part.index] = v
+    tensors |= {n: np.ascontiguousarray(part.join(cut)) for n, (part, cut) in pieces.items()}
     return tensors
 
 
