@@ -440,3 +440,42 @@ def test_validation_scores_the_inference_model_and_the_monitor_judges_by_the_tra
     validation, judged = float(trainer.eval_step(params, batch)[0]), float(trainer.judge_step(params, batch)[0])
     assert validation == pytest.approx(nll(inference), rel=1e-5) and judged == pytest.approx(nll(training), rel=1e-5)
     assert validation != judged
+
+
+def test_aux_loss_free_balancing_moves_each_choice_bias_by_the_rate_toward_balance():
+    """model.router_bias_rate: the step is the same step without it, then each MoE layer's choice
+    bias moved by +-rate: up for an expert below the mean load top_k / E over the step's tokens (all
+    micro-batches), down above it. With the rate 0 the bias never moves."""
+    from transformer import sharding
+    from transformer.model import balance_router_bias
+    from transformer.train import Trainer
+    from transformer.train.trainer import default_controls
+
+    def trainer(rate: float) -> Trainer:
+        run = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_experts=4", "model.top_k=2"]
+        run += ["model.router=sigmoid", "model.router_bias=true", f"model.router_bias_rate={rate}"]
+        run += ["model.capacity_factor=null", "data.seq_len=16", "train.batch_size=4", "train.grad_accum=2"]
+        cfg = load_config(None, run).with_vocab(61)
+        return Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
+
+    fixed, balancing = trainer(0.0), trainer(0.01)
+    tokens = np.random.default_rng(0).integers(0, 61, (4, 17)).astype(np.int32)
+    batch = fixed.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, 4)
+    load_LxE = np.asarray(balancing.gradients(balancing.initial_state(), batch)[3]["expert_load"])
+    np.testing.assert_allclose(load_LxE.sum(axis=1), 2.0, rtol=1e-6)  # top-2: each token counted twice
+    plain, _ = fixed.train_step(fixed.initial_state(), batch, default_controls())
+    before = np.asarray(balancing.initial_state().params["moe_blocks"]["ffn"]["router_bias"])
+    assert not np.any(before) and not np.any(np.asarray(plain.params["moe_blocks"]["ffn"]["router_bias"]))
+    stepped, metrics = balancing.train_step(balancing.initial_state(), batch, default_controls())
+    assert "expert_load" not in metrics
+    expected = balance_router_bias(balancing.cfg.model, jax.device_get(plain.params), jnp.asarray(load_LxE))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(stepped.params), expected)
+    moved = np.asarray(stepped.params["moe_blocks"]["ffn"]["router_bias"])
+    np.testing.assert_array_equal(moved, 0.01 * np.sign(0.5 - load_LxE).astype(np.float32))
+    assert np.any(moved < 0) and np.any(moved > 0)
+
+
+def test_the_balancing_rate_needs_the_choice_bias():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.n_experts=4", "model.router_bias_rate=0.001"])
+    assert e.value.key == "model.router_bias_rate"

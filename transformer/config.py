@@ -232,6 +232,9 @@ class ModelConfig:
     # a per-expert bias added to the scores for choosing experts only, never to the gates (DeepSeek-V3's
     # e_score_correction_bias); no gradient reaches it, nor does the optimiser
     router_bias: bool = False
+    # aux-loss-free load balancing (Wang et al. 2024, DeepSeek-V3): after each update the choice bias
+    # of an expert below the layer's mean load rises by this, of one above it falls (0: it stays)
+    router_bias_rate: float = 0.0
     # group-limited routing (DeepSeek): the experts in router_groups equal groups, each scored by
     # router_group_score, and a token's experts chosen from its router_topk_groups best groups
     router_groups: int = 1
@@ -542,6 +545,7 @@ class ModelConfig:
         )
         if not self.n_experts:  # a dense model keeps moe_d_ff null, as exported HF configs do
             routing: dict[str, object] = dict(renormalize_gates=True, routed_scale=1.0, router_bias=False)
+            routing |= dict(router_bias_rate=0.0)
             routing |= dict(router_groups=1, router_topk_groups=1, router_group_score="max", moe_first_dense=0)
             for name, default in routing.items():
                 _check(getattr(self, name) == default, name, "is the routed experts' rule: only with n_experts")
@@ -576,6 +580,9 @@ class ModelConfig:
     def _check_routing(self) -> None:
         E, G, top = self.n_experts, self.router_groups, self.router_topk_groups
         _check(self.routed_scale > 0, "routed_scale", f"must be > 0, got {self.routed_scale}")
+        rate = self.router_bias_rate
+        _check(rate >= 0, "router_bias_rate", f"must be >= 0, got {rate}")
+        _check(rate == 0 or self.router_bias, "router_bias_rate", "moves the choice bias: set model.router_bias=true")
         _check(
             0 <= self.moe_first_dense < self.n_layers,
             "moe_first_dense",

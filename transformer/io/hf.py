@@ -64,10 +64,12 @@ def _refuse(field: str, message: str) -> HFError:
 # be at their defaults (so a key added to ModelConfig later is refused by every family until one
 # sets it).
 # A mixture of experts' capacity is training's too (inference computes it without drops, as the MoE
-# families' code does: ModelConfig.at_inference), and so are its routing losses.
+# families' code does: ModelConfig.at_inference), and so are its routing losses and the choice bias's
+# balancing rule.
 FREE = (
     "max_seq_len ffn_multiple vocab_multiple attention_impl dropout attn_dropout init_std init_depth_scaled "
-    "param_dtype dtype scan_layers scan_unroll remat init_from capacity_factor moe_aux_loss moe_z_loss"
+    "param_dtype dtype scan_layers scan_unroll remat init_from capacity_factor moe_aux_loss moe_z_loss "
+    "router_bias_rate"
 ).split()
 ARCHITECTURE = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in FREE]
 

@@ -25,7 +25,7 @@ The model places nothing on devices: it names logical axes, which `transformer/s
 """
 
 from transformer.model.layers import Placer, placing
-from transformer.model.moe import STEP_METRICS
+from transformer.model.moe import STEP_METRICS, balance_router_bias
 from transformer.model.parametrization import OptimizerScaling, matrix_axes, optimizer_scaling
 from transformer.model.qk_clip import clip_qk
 from transformer.model.summary import (
@@ -46,6 +46,7 @@ __all__ = [
     "Placer",
     "Transformer",
     "abstract_model",
+    "balance_router_bias",
     "clip_qk",
     "count_params",
     "cross_cache_bytes_per_source_token",

@@ -13,7 +13,8 @@ expert; V3: by its two best, biased). With top_k > 1 the k gates are renormalise
 (`renormalize_gates`; false: the scores as they are, Qwen-MoE's `norm_topk_prob: false`); with top-1
 the gate is the score itself (Switch), because a renormalised single gate is always 1 and the router
 would learn only from the balancing loss. Then the gates times `routed_scale` (DeepSeek's
-routed_scaling_factor). Shared experts add their output, times sigmoid(x . w) per token under
+routed_scaling_factor). Under `router_bias_rate` the trainer moves the choice bias toward balance after
+every update (`balance_router_bias`: aux-loss-free balancing). Shared experts add their output, times sigmoid(x . w) per token under
 `shared_expert_gate` (Qwen2-MoE).
 
 Dispatch, decided in `MoE.__call__`:
@@ -101,6 +102,17 @@ def load_stats(r: Routing, E: int) -> dict[str, jax.Array]:
     p = r.probs_BxTxE
     entropy = -jnp.mean(jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1))
     return {"router_entropy": entropy, **{f"expert_load_{e}": load_E[e] for e in range(E)}}
+
+
+def balance_router_bias(cfg: ModelConfig, params: dict, load_LxE: jax.Array) -> dict:
+    """`params` with each MoE layer's choice bias moved by router_bias_rate toward balance: up for
+    an expert whose share of the step's tokens `load_LxE` is below the layer's mean (top_k / E),
+    down above it (Wang et al. 2024's aux-loss-free balancing, DeepSeek-V3's rule)."""
+    ffn = params["moe_blocks"]["ffn"]
+    bias_LxE = ffn["router_bias"]
+    step_LxE = cfg.router_bias_rate * jnp.sign(cfg.top_k / cfg.n_experts - load_LxE)
+    ffn = {**ffn, "router_bias": bias_LxE + step_LxE.astype(bias_LxE.dtype)}
+    return {**params, "moe_blocks": {**params["moe_blocks"], "ffn": ffn}}
 
 
 class MoE(nnx.Module):

@@ -679,8 +679,9 @@ class Transformer(nnx.Module):
     ) -> tuple[jax.Array, Stats]:
         """(the last hidden states [B, T, D], before the output projection, what the step reads
         besides them: the routing terms of the MoE layers, each of `moe.STEP_METRICS` reduced over
-        them, and under `model.qk_clip` each layer's heads' largest logits, `head_logit_max` [L, N];
-        {} for a dense model without QK-clip). A chunked loss projects the hidden states a few
+        them, under `model.router_bias_rate` each MoE layer's load of each expert `expert_load`
+        [n_moe, E], and under `model.qk_clip` each layer's heads' largest logits, `head_logit_max`
+        [L, N]; {} for a dense model without QK-clip). A chunked loss projects the hidden states a few
         positions at a time: `transformer/train/loss.py`.
 
         positions_BxT: defaults to 0..T-1 (pass per-document positions for packed documents);
@@ -699,6 +700,8 @@ class Transformer(nnx.Module):
         x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
         x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key, memory=memory)
         terms = {k: over(stats[f"layer_{k}"]) for k, over in STEP_METRICS.items() if f"layer_{k}" in stats}
+        if self.cfg.router_bias_rate:  # each MoE layer's load of each expert, [n_moe, E], for the balancing
+            terms["expert_load"] = jnp.stack([stats[f"expert_load_{e}"] for e in range(self.cfg.n_experts)], -1)
         if "head_logit_max" in stats:  # layer-major whichever way the layers ran: [L * N] or [L, N]
             terms["head_logit_max"] = stats["head_logit_max"].reshape(self.cfg.n_layers, -1)
         return x_BxTxD, terms

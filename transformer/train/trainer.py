@@ -23,7 +23,15 @@ from flax import nnx
 
 from transformer import accelerator, sharding
 from transformer.config import Config
-from transformer.model import STEP_METRICS, Transformer, clip_qk, layer_slots, optimizer_scaling, placing
+from transformer.model import (
+    STEP_METRICS,
+    Transformer,
+    balance_router_bias,
+    clip_qk,
+    layer_slots,
+    optimizer_scaling,
+    placing,
+)
 from transformer.train import loss
 from transformer.train.optim import make_optimizer, schedule
 from transformer.train.schedule_free import gradient_point
@@ -209,6 +217,9 @@ class Trainer:
         if head_max is not None:  # QK-clip: after the update, from the logits of the step's forward pass
             params, clipped = clip_qk(self.cfg.model, params, head_max)
             routing = {**routing, "qk_max_logit": jnp.max(head_max), "qk_clipped_heads": clipped.astype(jnp.float32)}
+        load_LxE = routing.pop("expert_load", None)  # under model.router_bias_rate
+        if load_LxE is not None:  # aux-loss-free balancing, after the update like QK-clip
+            params = balance_router_bias(self.cfg.model, params, load_LxE)
         apply = _should_apply(loss, grad_norm, controls)
         params, opt_state = _keep_unless(apply, (params, opt_state), (state.params, state.opt_state))
         metrics = {
@@ -248,6 +259,8 @@ class Trainer:
         micro_batches = _micro_batches(batch, accum)
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         routing = {k: jnp.float32(0.0) for k in STEP_METRICS} if cfg.n_experts else {}
+        if cfg.router_bias_rate:  # each MoE layer's load of each expert, averaged over the step's tokens
+            routing["expert_load"] = jnp.zeros((sum(cfg.moe_layers), cfg.n_experts), jnp.float32)
         head_max = None if cfg.qk_clip is None else jnp.full((cfg.n_layers, cfg.n_heads), -jnp.inf)
         (grads, nll_sum, count, routing, head_max), _ = jax.lax.scan(
             micro, (zeros, 0.0, 0.0, routing, head_max), (micro_batches, jnp.arange(accum))
