@@ -265,9 +265,22 @@ FIXTURES = {
         tie_word_embeddings=False,
         vocab_size=VOCAB,
     ),
+    # the original T5: a plain ReLU FFN, the head tied and its input scaled by d_model^-0.5
+    "t5_v1_0": transformers.T5Config(
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        feed_forward_proj="relu",
+        tie_word_embeddings=True,
+        vocab_size=VOCAB,
+    ),
 }
 MASKED = ("bert", "roberta")  # encoders with a prediction head: AutoModelForMaskedLM
-SEQ2SEQ = ("bart", "t5")  # encoder-decoders: AutoModelForSeq2SeqLM
+SEQ2SEQ = ("bart", "t5", "t5_v1_0")  # encoder-decoders: AutoModelForSeq2SeqLM
 # T5's unscaled attention logits make its random fixture sensitive to float32 rounding: transformers'
 # own float32 logits differ from its float64 ones by 1.3e-4 there, and this framework's by as much
 IMPORT_TOLERANCE = {"t5": 5e-4}
@@ -442,6 +455,9 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         ffn="geglu",
         attn_scale=1.0,
         n_kv_heads=4,
+    ),
+    "t5-v1.0": dict(
+        arch="encoder_decoder", position="t5_relative", ffn="relu", attn_scale=1.0, scale_head_input=True, n_kv_heads=4
     ),
     "t5-untied": dict(
         arch="encoder_decoder", position="t5_relative", ffn="geglu", attn_scale=1.0, tie_embeddings=False, n_kv_heads=4

@@ -26,7 +26,7 @@ from transformer.model import Transformer
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 FAMILIES = (
     *("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text"),
-    *("bert", "roberta", "bart", "t5", "deepseek_v2", "deepseek_v3"),
+    *("bert", "roberta", "bart", "t5", "t5_v1_0", "deepseek_v2", "deepseek_v3"),
 )
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 # stored otherwise than read: BERT's token type 0 joins the positions, BART's unused position rows
@@ -82,6 +82,7 @@ def test_the_fixtures_need_their_conventions():
         ("gemma2", dict(norm_offset=False)),
         ("gemma3_text", dict(rope_local_theta=None)),
         ("t5", dict(rel_max_distance=128)),  # the buckets of the longer distances move
+        ("t5_v1_0", dict(scale_head_input=False)),
         ("deepseek_v2", dict(router_groups=1, router_topk_groups=1)),
         ("deepseek_v2", dict(routed_scale=1.0)),
         ("deepseek_v2", dict(attn_scale=None)),  # YaRN's temperature on all of MLA's logits
@@ -251,7 +252,7 @@ def test_a_sharded_checkpoint_reads_as_the_single_file(tmp_path):
         (dict(arch="encoder_decoder"), "model.ffn=swiglu: BART"),
         (dict(arch="encoder", mlm_head=True), "model.ffn=swiglu: BERT has a plain MLP"),
         (dict(norm_offset=True, ffn="gelu"), "model.ffn=gelu: GEMMA2 has a gated FFN"),
-        (dict(arch="encoder_decoder", position="t5_relative", ffn="relu"), "model.ffn=relu: T5 has a gated FFN"),
+        (dict(arch="encoder_decoder", position="t5_relative", ffn="geglu_exact"), "model.ffn=geglu_exact: T5's FFNs"),
         (dict(arch="encoder_decoder", ffn="gelu_exact"), "model.n_kv_heads=2: HF bart has no such option"),
         (dict(n_experts=4, top_k=2, router="sigmoid"), "model.router=sigmoid: HF mixtral has no such option"),
         (dict(n_experts=4, top_k=2, renormalize_gates=False), "model.renormalize_gates=False: HF mixtral"),
@@ -315,8 +316,7 @@ def _edited_fixture(tmp_path, family: str, **changes):
         ("bert", {"is_decoder": True}, "is_decoder"),
         ("roberta", {"pad_token_id": 0}, "pad_token_id"),
         ("bart", {"decoder_ffn_dim": 48}, "encoder_ffn_dim"),
-        ("t5", {"scale_decoder_outputs": True}, "scale_decoder_outputs"),
-        ("t5", {"feed_forward_proj": "relu"}, "feed_forward_proj"),
+        ("t5", {"feed_forward_proj": "gated-tanh"}, "feed_forward_proj"),
     ],
 )
 def test_unsupported_config_json_is_refused_naming_the_field(family, changes, field, tmp_path):

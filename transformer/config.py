@@ -195,6 +195,7 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2); implied by use_bias
     tie_embeddings: bool = True
     mlm_head: bool = False  # BERT's prediction head before the output projection: dense + the FFN's activation + norm
+    scale_head_input: bool = False  # the final hidden states times d_model^-0.5 before the output projection (T5 v1.0)
     output_bias: bool = False  # a learned bias per vocabulary entry on the logits (BERT's, BART's final_logits_bias)
     dropout: float = 0.0  # on the embedding output and on each sublayer's output before the residual add
     attn_dropout: float = 0.0  # on attention probabilities (einsum implementation only)

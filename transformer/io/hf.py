@@ -567,18 +567,24 @@ def _bart_keys(hf: dict) -> dict:
     )
 
 
-T5_FFNS = {"gated-gelu": "geglu", "gated-silu": "swiglu", "gated-relu": "reglu"}
+# gated-gelu is transformers' tanh GELU (gelu_new), plain gelu its erf one
+T5_FFNS = {
+    "gated-gelu": "geglu",
+    "gated-silu": "swiglu",
+    "gated-relu": "reglu",
+    "relu": "relu",
+    "gelu": "gelu_exact",
+    "gelu_new": "gelu",
+}
 
 
 def _t5_keys(hf: dict) -> dict:
-    """T5 v1.1 and Flan-T5: a Pre-LN encoder-decoder with RMSNorms, a relative position bias per stack
-    (t5_relative), unscaled attention logits, a gated FFN, no biases; the head tied or its own, never
-    scaled. (transformers 4 wrote `tie_word_embeddings` and scaled a tied head; 5 ties always and
-    writes `scale_decoder_outputs`.)"""
+    """T5 (v1.0: a plain ReLU FFN, the tied head's input scaled by d_model^-0.5), T5 v1.1 and Flan-T5
+    (a gated FFN, the head tied or its own, unscaled): a Pre-LN encoder-decoder with RMSNorms, a
+    relative position bias per stack (t5_relative), unscaled attention logits, no biases.
+    (transformers 4 wrote `tie_word_embeddings` and scaled a tied head; 5 writes
+    `scale_decoder_outputs`.)"""
     tied = _flag(hf, "tie_word_embeddings", True)
-    if _flag(hf, "scale_decoder_outputs", tied):
-        field = "scale_decoder_outputs" if "scale_decoder_outputs" in hf else "tie_word_embeddings"
-        raise _refuse(field, "T5 v1.0's head scales the decoder output by d_model^-0.5, not expressed here")
     D, N = _positive(hf, "d_model"), _positive(hf, "num_heads")
     return dict(
         arch="encoder_decoder",
@@ -598,6 +604,7 @@ def _t5_keys(hf: dict) -> dict:
         ffn=_choice(hf, "feed_forward_proj", T5_FFNS),
         attn_scale=1.0,
         tie_embeddings=tied,
+        scale_head_input=_flag(hf, "scale_decoder_outputs", tied),
     )
 
 
@@ -827,6 +834,9 @@ def _bart_json(m: ModelConfig) -> dict:
 
 
 def _t5_json(m: ModelConfig) -> dict:
+    ffns = {ours: name for name, ours in T5_FFNS.items()}
+    if m.ffn not in ffns:
+        raise HFError("--export-hf", f"model.ffn={m.ffn}: T5's FFNs are {', '.join(ffns)}")
     return {
         "d_model": m.d_model,
         "d_kv": m.head_dim,
@@ -837,10 +847,10 @@ def _t5_json(m: ModelConfig) -> dict:
         "relative_attention_num_buckets": m.rel_buckets,
         "relative_attention_max_distance": m.rel_max_distance,
         "layer_norm_epsilon": m.norm_eps,
-        "feed_forward_proj": {v: k for k, v in T5_FFNS.items()}.get(m.ffn, m.ffn),
+        "feed_forward_proj": ffns[m.ffn],
         "vocab_size": m.vocab_size,
         "tie_word_embeddings": m.tie_embeddings,
-        "scale_decoder_outputs": False,
+        "scale_decoder_outputs": m.scale_head_input,
         "is_encoder_decoder": True,
         "dropout_rate": 0.0,
     }
@@ -908,6 +918,7 @@ class Rule:
     to_hf: Callable[[ModelConfig, np.ndarray], Arrays] = _as_list
     adds: bool = False  # to_ours adds values (BERT's token type into its positions), not only moves them
     part: TensorPart | None = None  # the parameter is part of its one HF tensor
+    when: Callable[[ModelConfig], bool] | None = None  # the rule of its path only for such models
 
     @property
     def per_layer(self) -> bool:
@@ -927,11 +938,11 @@ class Layout:
     ignored: str = r"^$"  # tensors that are buffers, not weights (GPT-2's causal mask)
     strip: str = ""  # a prefix some checkpoints of the family leave out (GPT-2: "transformer.")
 
-    def rule(self, path: str) -> Rule:
-        """The rule of `path`; a MoE layer's attention and norms are those of any layer."""
+    def rule(self, path: str, m: ModelConfig) -> Rule:
+        """The rule of `path` in model `m`; a MoE layer's attention and norms are those of any layer."""
         for name in (path, re.sub(r"^moe_blocks/", "blocks/", path)):
             for rule in self.rules:
-                if rule.path == name:
+                if rule.path == name and (rule.when is None or rule.when(m)):
                     return rule
         raise AssertionError(f"no {path} in the layout: a parameter the family cannot hold was built")
 
@@ -1195,7 +1206,7 @@ def _bart_stack(ours: str, theirs: str, cross: bool) -> tuple[Rule, ...]:
 
 def _t5_stack(ours: str, theirs: str, cross: bool) -> tuple[Rule, ...]:
     """One T5 stack's layers: its sublayers numbered in order (self-attention, the decoder's
-    cross-attention, the gated FFN), each with its RMSNorm; no biases."""
+    cross-attention, the FFN: gated, or T5 v1.0's plain one), each with its RMSNorm; no biases."""
     layer = f"{theirs}.block.{{l}}.layer."
     parts = [("attn", "SelfAttention")] + ([("cross_attn", "EncDecAttention")] if cross else [])
     rules: list[Rule] = []
@@ -1213,7 +1224,9 @@ def _t5_stack(ours: str, theirs: str, cross: bool) -> tuple[Rule, ...]:
             (ffn + "DenseReluDense.wi_0.weight", ffn + "DenseReluDense.wi_1.weight"),
             _gate_up_in,
             _gate_up_out,
+            when=lambda m: m.gated_ffn,
         ),
+        Rule(f"{ours}/ffn/w_in", (ffn + "DenseReluDense.wi.weight",), _transposed, _transpose_back),  # T5 v1.0's
         Rule(f"{ours}/ffn/w_out", (ffn + "DenseReluDense.wo.weight",), _transposed, _transpose_back),
         Rule(f"{ours}/ffn_norm/scale", (ffn + "layer_norm.weight",)),
     )
@@ -1698,7 +1711,7 @@ def host_array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def _load_one(ckpt: Checkpoint, path: str, m: ModelConfig, like: jax.ShapeDtypeStruct) -> jax.Array:
     """Parameter `path`, placed as `like.sharding` says. A layer-stacked one is assembled a layer at a
     time in the host array the device array is made from (the device's own memory, on a CPU)."""
-    rule = ckpt.layout.rule(path)
+    rule = ckpt.layout.rule(path, m)
     if rule.per_layer:
         names = [tensor_names(m, rule, path, j) for j in range(like.shape[0])]
         for n in (n for layer in names for n in layer):  # all there, before the stack's memory is taken
@@ -1743,7 +1756,7 @@ def _family_candidate(m: ModelConfig) -> Family:
         marked = "gemma3_text" if m.qk_norm else "gemma2"
     if marked is not None:  # each family's FFN kind is checked here: its writer names only its own
         plain = marked in ("bart", "bert")
-        if m.gated_ffn == plain:
+        if m.gated_ffn == plain and marked != "t5":  # T5 has both (v1.0 plain, v1.1 gated)
             kind = "a plain MLP (gelu, gelu_exact, relu)" if plain else f"a gated FFN ({', '.join(GATED_NAMES)})"
             raise HFError("--export-hf", f"model.ffn={m.ffn}: {marked.upper()} has {kind}")
         return FAMILIES[marked]
@@ -1810,7 +1823,7 @@ def hf_tensors(m: ModelConfig, family: Family, params: dict) -> dict[str, np.nda
     tensors: dict[str, np.ndarray] = {}
     pieces: dict[str, tuple[TensorPart, dict[int, np.ndarray]]] = {}
     for key, leaf in _flatten(params).items():
-        rule = family.layout.rule(key)
+        rule = family.layout.rule(key, m)
         host = np.asarray(jax.device_get(leaf))
         for j in range(host.shape[0]) if rule.per_layer else [None]:
             values = rule.to_hf(m, host if j is None else host[j])

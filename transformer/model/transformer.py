@@ -583,6 +583,8 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         if self.mlm_head is not None:
             x_BxTxD = self.mlm_head.transform(x_BxTxD)
+        if cfg.scale_head_input:  # T5 v1.0's, in the compute dtype as transformers scales it
+            x_BxTxD = x_BxTxD * jnp.asarray(cfg.d_model**-0.5, x_BxTxD.dtype)
         if self.head is None:
             logits_BxTxV = jnp.einsum(
                 "BTD,VD->BTV", x_BxTxD, self.embed[...].astype(x_BxTxD.dtype), preferred_element_type=jnp.float32
