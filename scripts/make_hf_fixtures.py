@@ -265,6 +265,25 @@ FIXTURES = {
         tie_word_embeddings=False,
         vocab_size=VOCAB,
     ),
+    # ModernBERT: a global layer every third (the first included), local ones seeing 3 tokens either
+    # way, a theta each; LayerNorms without biases, the first layer without an attention norm
+    "modernbert": transformers.ModernBertConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        global_attn_every_n_layers=3,
+        local_attention=6,
+        global_rope_theta=160000.0,
+        local_rope_theta=10.0,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+        vocab_size=VOCAB,
+    ),
     # the original T5: a plain ReLU FFN, the head tied and its input scaled by d_model^-0.5
     "t5_v1_0": transformers.T5Config(
         d_model=32,
@@ -279,7 +298,7 @@ FIXTURES = {
         vocab_size=VOCAB,
     ),
 }
-MASKED = ("bert", "roberta")  # encoders with a prediction head: AutoModelForMaskedLM
+MASKED = ("bert", "roberta", "modernbert")  # encoders with a prediction head: AutoModelForMaskedLM
 SEQ2SEQ = ("bart", "t5", "t5_v1_0")  # encoder-decoders: AutoModelForSeq2SeqLM
 # T5's unscaled attention logits make its random fixture sensitive to float32 rounding: transformers'
 # own float32 logits differ from its float64 ones by 1.3e-4 there, and this framework's by as much
@@ -431,6 +450,34 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         mlm_head=True,
         output_bias=True,
         norm_eps=1e-12,
+    ),
+    "modernbert": dict(
+        arch="encoder",
+        norm="layernorm",
+        norm_bias=False,
+        norm_eps=1e-5,
+        embedding_norm=True,
+        first_attn_norm=False,
+        ffn="geglu_exact",
+        n_kv_heads=4,
+        mlm_head=True,
+        mlm_head_bias=False,
+        output_bias=True,
+        n_layers=3,
+        window=4,
+        attention_pattern=("global", "local", "local"),
+        rope_theta=160000.0,
+        rope_local_theta=10.0,
+    ),
+    "modernbert-biases-untied": dict(
+        arch="encoder",
+        norm="layernorm",
+        embedding_norm=True,
+        first_attn_norm=False,
+        ffn="geglu",
+        n_kv_heads=4,
+        mlm_head=True,
+        tie_embeddings=False,
     ),
     "bart": dict(
         arch="encoder_decoder",

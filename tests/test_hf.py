@@ -26,7 +26,7 @@ from transformer.model import Transformer
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 FAMILIES = (
     *("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text"),
-    *("bert", "roberta", "bart", "t5", "t5_v1_0", "deepseek_v2", "deepseek_v3"),
+    *("bert", "roberta", "modernbert", "bart", "t5", "t5_v1_0", "deepseek_v2", "deepseek_v3"),
 )
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 # stored otherwise than read: BERT's token type 0 joins the positions, BART's unused position rows
@@ -83,6 +83,9 @@ def test_the_fixtures_need_their_conventions():
         ("gemma3_text", dict(rope_local_theta=None)),
         ("t5", dict(rel_max_distance=128)),  # the buckets of the longer distances move
         ("t5_v1_0", dict(scale_head_input=False)),
+        ("modernbert", dict(first_attn_norm=True)),  # layer 0's never-read gain of ones read
+        ("modernbert", dict(rope_local_theta=None)),
+        ("modernbert", dict(attention_pattern=("global",) * 4)),
         ("deepseek_v2", dict(router_groups=1, router_topk_groups=1)),
         ("deepseek_v2", dict(routed_scale=1.0)),
         ("deepseek_v2", dict(attn_scale=None)),  # YaRN's temperature on all of MLA's logits
@@ -180,6 +183,31 @@ EXPORTABLE = {
     ),
     "qwen3_moe": dict(n_experts=4, top_k=1, qk_norm=True, renormalize_gates=True, moe_aux_loss=0.1),
     "qwen3_moe-unnormalised": dict(n_experts=4, top_k=2, qk_norm=True, renormalize_gates=False),
+    "modernbert": dict(
+        arch="encoder",
+        n_kv_heads=4,
+        norm="layernorm",
+        norm_bias=False,
+        embedding_norm=True,
+        first_attn_norm=False,
+        ffn="geglu_exact",
+        mlm_head=True,
+        mlm_head_bias=False,
+        output_bias=True,
+        n_layers=3,
+        window=4,
+        attention_pattern=("global", "local", "local"),
+        rope_local_theta=10.0,
+    ),
+    "modernbert-biases-untied": dict(
+        arch="encoder",
+        n_kv_heads=4,
+        norm="layernorm",
+        embedding_norm=True,
+        first_attn_norm=False,
+        mlm_head=True,
+        tie_embeddings=False,
+    ),
     "deepseek_v2-dense": dict(attention="mla", n_kv_heads=None, q_lora_rank=16),
     "deepseek_v2": dict(
         attention="mla",
@@ -250,7 +278,9 @@ def test_a_sharded_checkpoint_reads_as_the_single_file(tmp_path):
         (dict(window=4, qk_norm=True), "model.window=4: HF qwen3 has no such option"),
         (dict(arch="encoder"), "model.arch=encoder"),
         (dict(arch="encoder_decoder"), "model.ffn=swiglu: BART"),
-        (dict(arch="encoder", mlm_head=True), "model.ffn=swiglu: BERT has a plain MLP"),
+        (dict(arch="encoder", mlm_head=True, position="learned"), "model.ffn=swiglu: BERT has a plain MLP"),
+        (dict(arch="encoder", mlm_head=True, ffn="gelu"), "model.ffn=gelu: MODERNBERT has a gated FFN"),
+        (dict(arch="encoder", mlm_head=True, n_kv_heads=4), "model.norm=rmsnorm: HF modernbert"),
         (dict(norm_offset=True, ffn="gelu"), "model.ffn=gelu: GEMMA2 has a gated FFN"),
         (dict(arch="encoder_decoder", position="t5_relative", ffn="geglu_exact"), "model.ffn=geglu_exact: T5's FFNs"),
         (dict(arch="encoder_decoder", ffn="gelu_exact"), "model.n_kv_heads=2: HF bart has no such option"),
@@ -296,6 +326,8 @@ def _edited_fixture(tmp_path, family: str, **changes):
     [
         ("llama", {"model_type": "falcon"}, "model_type"),
         ("llama", {"rope_parameters.rope_type": "longrope"}, "rope_parameters.rope_type"),
+        ("modernbert", {"classifier_activation": "silu"}, "classifier_activation"),
+        ("modernbert", {"mlp_bias": True}, "mlp_bias"),
         ("deepseek_v2", {"rope_parameters.truncate": False}, "rope_parameters.truncate"),
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
         ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob"),
@@ -412,7 +444,7 @@ def test_fine_tune_from_a_checkpoint_then_export_it(tmp_path, capsys):
     assert exported == pytest.approx(trained, abs=1e-6) and abs(trained - pretrained) > 1e-4
 
 
-@pytest.mark.parametrize(("family", "objective"), [("bert", "mlm"), ("bart", "span")])
+@pytest.mark.parametrize(("family", "objective"), [("bert", "mlm"), ("modernbert", "mlm"), ("bart", "span")])
 def test_an_encoder_or_encoder_decoder_checkpoint_fine_tunes_with_its_objective(family, objective, tmp_path):
     """The objective is checked against the checkpoint's architecture (an encoder's mlm), not the
     default decoder's: train.py fine-tunes, and its export loads back as the same family."""

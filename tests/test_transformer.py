@@ -31,8 +31,9 @@ def with_config(model, cfg):
         dict(window=3, attention_pattern=("local", "global"), n_layers=3),
         dict(window=3, attention_pattern=("local", "global"), n_layers=3, rope_local_theta=40.0),
         dict(position="alibi", n_kv_heads=1),
+        dict(first_attn_norm=False, norm="layernorm", norm_bias=False, n_layers=3),
     ],
-    ids=["default", "pattern", "pattern-local-theta", "alibi-mqa"],
+    ids=["default", "pattern", "pattern-local-theta", "alibi-mqa", "first-apart"],
 )
 @pytest.mark.parametrize("unroll", [dict(scan_layers=False), dict(scan_unroll=2), dict(scan_unroll=8)])
 def test_scan_equals_unrolled(extra, unroll):
@@ -42,6 +43,29 @@ def test_scan_equals_unrolled(extra, unroll):
     unrolled = with_config(scanned, dataclasses.replace(cfg, **unroll))
     tokens = tokens_for(cfg)
     np.testing.assert_allclose(scanned(tokens), unrolled(tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_first_layer_without_its_attention_norm_reads_the_stream(scan_layers):
+    """model.first_attn_norm=false (ModernBERT): layer 0's attention norm is never read (its
+    parameters get no gradient, and a model whose layer 0 has none computes the same); every other
+    layer's is. Cached decoding equals the full forward pass."""
+    from test_generate import prefill_then_decode
+
+    cfg = tiny(first_attn_norm=False, n_layers=3, scan_layers=scan_layers)
+    model = build(cfg)
+    tokens = tokens_for(cfg)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p):
+        return jnp.sum(nnx.merge(graphdef, p)(tokens) ** 2)
+
+    gains_LxD = np.asarray(jax.grad(loss)(params)["blocks"]["attn_norm"]["scale"][...])
+    assert not np.any(gains_LxD[0]) and np.all(np.any(gains_LxD[1:], axis=-1))
+    normed = with_config(model, dataclasses.replace(cfg, first_attn_norm=True))
+    assert np.abs(np.asarray(normed(tokens)) - np.asarray(model(tokens))).max() > 1e-3
+    full = np.asarray(model(tokens))
+    np.testing.assert_allclose(prefill_then_decode(*nnx.split(model), tokens, 3), full, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])

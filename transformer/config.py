@@ -187,6 +187,10 @@ class ModelConfig:
     norm: Norm = "rmsnorm"
     norm_position: NormPosition = "pre"
     norm_eps: float = 1e-6
+    norm_bias: bool = True  # LayerNorm's bias; false: its gain alone (ModernBERT)
+    # false: the first layer's attention reads the stream as it is, the embedding norm serving as its
+    # norm (ModernBERT); its attn_norm's parameters are then never read
+    first_attn_norm: bool = True
     embedding_norm: bool = False  # a norm on the embeddings, positions added (BERT, BART); each stack its own
     norm_offset: bool = False  # norm gains kept as their offset w from 1, applied as 1 + w (Gemma): 0 at init
     embed_scale: bool = False  # token embeddings times sqrt(d_model), before positions (Vaswani et al., Gemma)
@@ -195,6 +199,7 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2); implied by use_bias
     tie_embeddings: bool = True
     mlm_head: bool = False  # BERT's prediction head before the output projection: dense + the FFN's activation + norm
+    mlm_head_bias: bool = True  # the prediction head's dense layer has a bias (BERT's; ModernBERT's has none)
     scale_head_input: bool = False  # the final hidden states times d_model^-0.5 before the output projection (T5 v1.0)
     output_bias: bool = False  # a learned bias per vocabulary entry on the logits (BERT's, BART's final_logits_bias)
     dropout: float = 0.0  # on the embedding output and on each sublayer's output before the residual add
@@ -278,6 +283,7 @@ class ModelConfig:
         self._check_qk_clip()
         self._check_mla()
         self._check_moe()
+        self._check_norms()
         self._check_arch()
         _check(  # a learned table needs a last row: see max_positions
             self.position != "learned" or self.max_seq_len is not None,
@@ -577,6 +583,18 @@ class ModelConfig:
         for name in ("moe_aux_loss", "moe_z_loss"):
             _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _check(not self.use_bias, "use_bias", "experts have no biases: set model.use_bias=false with n_experts")
+
+    def _check_norms(self) -> None:
+        _check(self.mlm_head or self.mlm_head_bias, "mlm_head_bias", "is the prediction head's: set model.mlm_head")
+        _check(self.norm_bias or self.norm == "layernorm", "norm_bias", "is LayerNorm's: set model.norm=layernorm")
+        if self.first_attn_norm:
+            return
+        for ok, why in (
+            (self.norm_position == "pre", "false is for pre-norm blocks (set model.norm_position=pre)"),
+            (not self.n_experts, "false is for dense models (one stack of blocks), not with model.n_experts"),
+            (self.arch != "encoder_decoder", "false is for a decoder or an encoder, not an encoder_decoder"),
+        ):
+            _check(ok, "first_attn_norm", why)
 
     def _check_routing(self) -> None:
         E, G, top = self.n_experts, self.router_groups, self.router_topk_groups

@@ -519,6 +519,64 @@ def _bert_keys(hf: dict) -> dict:
     )
 
 
+def _modernbert_layers(hf: dict, n_layers: int) -> dict:
+    """ModernBERT's global and local layers (`layer_types`, else every `global_attn_every_n_layers`-th
+    global, the first one included) and their thetas; a local layer sees `local_attention` / 2
+    tokens either way (transformers' |q - k| <= local_attention // 2)."""
+    if hf.get("layer_types") is None:
+        every = _positive(hf, "global_attn_every_n_layers", 3)
+        types = ["full_attention" if i % every == 0 else "sliding_attention" for i in range(n_layers)]
+        hf = hf | {"layer_types": types}
+    hf = hf | {"sliding_window": _positive(hf, "local_attention", 128) // 2 + 1}
+    keys = _gemma_layers(hf, n_layers)
+    by_type = _object(hf, "rope_parameters")
+    if "full_attention" in by_type:
+        keys |= _gemma_rope(hf)
+    else:  # transformers 4's fields
+        keys |= dict(rope_theta=_number(hf, "global_rope_theta", 160000.0))
+        keys |= dict(rope_local_theta=_number(hf, "local_rope_theta", 10000.0))
+    if keys["window"] is None:  # no local layer: no local theta
+        keys["rope_local_theta"] = None
+    return keys
+
+
+def _modernbert_keys(hf: dict) -> dict:
+    """ModernBERT: a Pre-LN encoder with RoPE (a theta for the global layers and one for the local),
+    LayerNorms with or without biases, a LayerNorm on the embeddings serving as the first layer's
+    attention norm, an erf-GeGLU FFN, no projection biases, and the prediction head (its dense layer
+    with or without a bias, the FFN's activation, a norm) decoding with the embeddings and a bias."""
+    for name in ("attention_bias", "mlp_bias"):
+        if _flag(hf, name, False):
+            raise _refuse(name, "true is not supported (ModernBERT's projections have no biases here)")
+    ffn = _choice(hf, "hidden_activation", GATED_ACTIVATIONS)
+    if _choice(hf, "classifier_activation", GATED_ACTIVATIONS) != ffn:
+        raise _refuse("classifier_activation", "differs from hidden_activation: here the head takes the FFN's")
+    D, N = _mha_heads(hf, "hidden_size", "num_attention_heads")
+    n_layers = _positive(hf, "num_hidden_layers")
+    return dict(
+        arch="encoder",
+        d_model=D,
+        n_layers=n_layers,
+        n_heads=N,
+        n_kv_heads=N,
+        head_dim=D // N,
+        d_ff=_positive(hf, "intermediate_size"),
+        vocab_size=_positive(hf, "vocab_size"),
+        position="rope",
+        norm="layernorm",
+        norm_bias=_flag(hf, "norm_bias", False),
+        norm_eps=_number(hf, "norm_eps", 1e-5),
+        embedding_norm=True,
+        first_attn_norm=False,
+        ffn=ffn,
+        tie_embeddings=_flag(hf, "tie_word_embeddings", True),
+        mlm_head=True,
+        mlm_head_bias=_flag(hf, "classifier_bias", False),
+        output_bias=_flag(hf, "decoder_bias", True),
+        **_modernbert_layers(hf, n_layers),
+    )
+
+
 def _roberta_keys(hf: dict) -> dict:
     """RoBERTa: BERT's, with positions counted from padding_idx + 1 = 2 (the table's first rows unused)."""
     if _field(hf, "pad_token_id", 1) != 1:
@@ -816,6 +874,35 @@ def _bert_json(m: ModelConfig) -> dict:
     }
 
 
+def _modernbert_json(m: ModelConfig) -> dict:
+    kinds = ["sliding_attention" if w is not None else "full_attention" for w in m.layer_windows]
+    local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
+    thetas = {"full_attention": m.rope_theta, "sliding_attention": local}
+    act = GATED_NAMES[m.ffn]
+    return {
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "vocab_size": m.vocab_size,
+        "norm_eps": m.norm_eps,
+        "norm_bias": m.norm_bias,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_activation": act,
+        "classifier_activation": act,
+        "classifier_bias": m.mlm_head_bias,
+        "decoder_bias": m.output_bias,
+        "tie_word_embeddings": m.tie_embeddings,
+        "layer_types": kinds,
+        "local_attention": 2 * ((m.window or 129) - 1),
+        "rope_parameters": {kind: {"rope_type": "default", "rope_theta": theta} for kind, theta in thetas.items()},
+        "max_position_embeddings": max(m.max_seq_len or 0, 8192),
+        # not the answerdotai tokenizer's ids (past a small vocabulary): the run's, where it gives them
+        **dict.fromkeys(("pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id")),
+    }
+
+
 def _bart_json(m: ModelConfig) -> dict:
     stacks = {"encoder": m.n_encoder_layers, "decoder": m.n_layers}
     return {
@@ -919,6 +1006,10 @@ class Rule:
     adds: bool = False  # to_ours adds values (BERT's token type into its positions), not only moves them
     part: TensorPart | None = None  # the parameter is part of its one HF tensor
     when: Callable[[ModelConfig], bool] | None = None  # the rule of its path only for such models
+    # layer 0 has no such tensor (ModernBERT's attention norm, model.first_attn_norm=false): that
+    # layer's parameter, never read by the model, is made filled with this value (as initialised)
+    # and not written
+    layer_0_fill: float | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -1153,6 +1244,31 @@ def _bert_layout(prefix: str, head: str, head_norm: str, offset: int) -> Layout:
     )
 
 
+def _wqkv_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """ModernBERT's fused Wqkv [3*N*H, D] (q, k, v) -> D x N x 3 x H (K = N, G = 1)."""
+    return _c_attn_in(m, [xs[0].T])
+
+
+def _wqkv_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [_c_attn_out(m, w)[0].T]
+
+
+def _wi_in(m: ModelConfig, xs: Arrays) -> np.ndarray:
+    """ModernBERT's fused Wi [2F, D] (the activated half, then the gate) -> D x 2 x F."""
+    return xs[0].T.reshape(m.d_model, 2, -1)
+
+
+def _wi_out(m: ModelConfig, w: np.ndarray) -> Arrays:
+    return [w.reshape(m.d_model, -1).T]
+
+
+def _layernorm(ours: str, theirs: str, layer_0_absent: bool = False) -> tuple[Rule, ...]:
+    """A LayerNorm's gain and (where the model has one) bias; `layer_0_absent`: not in layer 0 (a
+    gain of 1 and a bias of 0 there, as initialised)."""
+    fills = dict(scale=1.0, bias=0.0) if layer_0_absent else {}
+    return tuple(Rule(f"{ours}/{o}", (f"{theirs}.{t}",), layer_0_fill=fills.get(o)) for o, t in NORM_TENSORS)
+
+
 BERT = _bert_layout("bert.", "cls.predictions.transform.", "cls.predictions.transform.LayerNorm", 0)
 
 
@@ -1260,6 +1376,28 @@ BART = Layout(
     # the stacks' and the head's copies of the shared embeddings
     ignored=r"^(model\.(encoder|decoder)\.embed_tokens\.weight|lm_head\.weight)$",
 )
+_MB = "model.layers.{l}."
+MODERNBERT = Layout(
+    (
+        Rule("embed", ("model.embeddings.tok_embeddings.weight",), _pad_vocab, _vocab_rows),
+        *_layernorm("embed_norm", "model.embeddings.norm"),
+        *_layernorm("blocks/attn_norm", _MB + "attn_norm", layer_0_absent=True),
+        Rule("blocks/attn/qkv", (_MB + "attn.Wqkv.weight",), _wqkv_in, _wqkv_out),
+        Rule("blocks/attn/out", (_MB + "attn.Wo.weight",), _out_in, _out_out),
+        *_layernorm("blocks/ffn_norm", _MB + "mlp_norm"),
+        Rule("blocks/ffn/w_in", (_MB + "mlp.Wi.weight",), _wi_in, _wi_out),
+        Rule("blocks/ffn/w_out", (_MB + "mlp.Wo.weight",), _transposed, _transpose_back),
+        *_layernorm("final_norm", "model.final_norm"),
+        Rule("mlm_head/dense", ("head.dense.weight",), _transposed, _transpose_back),
+        Rule("mlm_head/dense_bias", ("head.dense.bias",)),
+        *_layernorm("mlm_head/norm", "head.norm"),
+        Rule("head", ("decoder.weight",), _head_in, _head_out),
+        Rule("output_bias", ("decoder.bias",), _pad_vocab, _vocab_rows),
+    ),
+    ignored=r"^decoder\.weight$",  # the embeddings again, where tied
+)
+
+
 ROBERTA = _bert_layout("roberta.", "lm_head.", "lm_head.layer_norm", ROBERTA_OFFSET)
 # Gemma's sandwich: a norm before and after each sublayer
 GEMMA = Layout(
@@ -1476,6 +1614,7 @@ FAMILIES = {
         Family("bert", "BertForMaskedLM", _bert_keys, _bert_json, BERT),
         # exported as BERT (export_family never picks it): its positions' offset hangs on the pad id
         Family("roberta", "RobertaForMaskedLM", _roberta_keys, _bert_json, ROBERTA),
+        Family("modernbert", "ModernBertForMaskedLM", _modernbert_keys, _modernbert_json, MODERNBERT),
         Family("bart", "BartForConditionalGeneration", _bart_keys, _bart_json, BART),
         Family("t5", "T5ForConditionalGeneration", _t5_keys, _t5_json, T5),
         Family("gemma2", "Gemma2ForCausalLM", _gemma_keys, _gemma_json, GEMMA),
@@ -1714,13 +1853,16 @@ def _load_one(ckpt: Checkpoint, path: str, m: ModelConfig, like: jax.ShapeDtypeS
     rule = ckpt.layout.rule(path, m)
     if rule.per_layer:
         names = [tensor_names(m, rule, path, j) for j in range(like.shape[0])]
-        for n in (n for layer in names for n in layer):  # all there, before the stack's memory is taken
+        read = range(0 if rule.layer_0_fill is None else 1, like.shape[0])
+        for n in (n for j in read for n in names[j]):  # all there, before the stack's memory is taken
             ckpt.name(n)
         layer_like = jax.ShapeDtypeStruct(like.shape[1:], like.dtype)
-        first = _converted(ckpt, rule, m, names[0], layer_like)  # and of the size config.json says
+        first = _converted(ckpt, rule, m, names[read[0]], layer_like)  # and of the size config.json says
         host = host_array(like.shape, like.dtype)
-        host[0] = first
-        for j in range(1, like.shape[0]):
+        host[read[0]] = first
+        if rule.layer_0_fill is not None:
+            host[0] = np.full(like.shape[1:], rule.layer_0_fill, like.dtype)
+        for j in read[1:]:
             host[j] = _converted(ckpt, rule, m, names[j], layer_like)
     else:
         host = _converted(ckpt, rule, m, tensor_names(m, rule, path, None), like)
@@ -1751,7 +1893,7 @@ def _family_candidate(m: ModelConfig) -> Family:
     if m.arch == "encoder_decoder":
         marked = "t5" if m.position == "t5_relative" else "bart"
     elif m.mlm_head:
-        marked = "bert"
+        marked = "bert" if m.position == "learned" else "modernbert"
     elif m.norm_offset or m.embed_scale:
         marked = "gemma3_text" if m.qk_norm else "gemma2"
     if marked is not None:  # each family's FFN kind is checked here: its writer names only its own
@@ -1826,6 +1968,8 @@ def hf_tensors(m: ModelConfig, family: Family, params: dict) -> dict[str, np.nda
         rule = family.layout.rule(key, m)
         host = np.asarray(jax.device_get(leaf))
         for j in range(host.shape[0]) if rule.per_layer else [None]:
+            if j == 0 and rule.layer_0_fill is not None:
+                continue
             values = rule.to_hf(m, host if j is None else host[j])
             names = tensor_names(m, rule, key, j)
             if rule.part is None:

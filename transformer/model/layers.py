@@ -129,7 +129,8 @@ class Norm(nnx.Module):
         self.eps = cfg.norm_eps
         self.offset = cfg.norm_offset  # the gain is 1 + scale (Gemma's): weight decay pulls it to 1
         self.scale = const_param(0.0 if self.offset else 1.0, (dim,), (axis_name,), cfg)
-        self.bias = const_param(0.0, (dim,), (axis_name,), cfg) if self.kind == "layernorm" else None
+        layernorm_bias = self.kind == "layernorm" and cfg.norm_bias
+        self.bias = const_param(0.0, (dim,), (axis_name,), cfg) if layernorm_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         bias = None if self.bias is None else self.bias[...].astype(jnp.float32)

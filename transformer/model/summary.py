@@ -28,7 +28,7 @@ def count_params(cfg: ModelConfig) -> int:
     MHA/GQA, as `mha_params`) with its norms in each decoder block.
     """
     D, L, V, F = cfg.d_model, cfg.n_layers, cfg.padded_vocab, cfg.d_ff
-    norm = D * (2 if cfg.norm == "layernorm" else 1)
+    norm = D * (2 if cfg.norm == "layernorm" and cfg.norm_bias else 1)
     attention = mha_params(cfg)
     if cfg.attention == "mla":  # (the config refuses biases and qk-norm with MLA)
         attention = mla_matmul_params(cfg) + mla_norm_params(cfg)
@@ -48,7 +48,7 @@ def count_params(cfg: ModelConfig) -> int:
     total += math.prod(table) * (1 + cfg.encoder_positions) if table is not None else 0
     total += norm if cfg.final_norm else 0
     total += norm * (1 + (cfg.arch == "encoder_decoder")) if cfg.embedding_norm else 0
-    total += D * D + D + norm if cfg.mlm_head else 0
+    total += D * D + D * cfg.mlm_head_bias + norm if cfg.mlm_head else 0
     total += V if cfg.output_bias else 0
     bias_table = positions_for(cfg).bias_table_shape
     total += math.prod(bias_table) * (1 + (cfg.arch == "encoder_decoder")) if bias_table is not None else 0

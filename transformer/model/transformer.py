@@ -119,14 +119,17 @@ class Block(nnx.Module):
         collect: bool = False,
         memory: Memory | None = None,
         bias_table: jax.Array | None = None,
+        attn_norm: bool = True,
     ) -> tuple[jax.Array, KVCache | None]:
         """(the block's output, its updated KV cache; None without a cache). With `collect`,
         statistics are sown as nnx.Intermediate (attention logits and entropy, the RMS of each
         sublayer's output and of the residual stream).
         `memory`: the encoder output a decoder block cross-attends to (decoding: the cache's
-        `cross_k`/`cross_v` instead); `bias_table`: the stack's self-attention bias table (t5_relative)."""
+        `cross_k`/`cross_v` instead); `bias_table`: the stack's self-attention bias table (t5_relative);
+        `attn_norm` false: the attention reads the stream itself (the first layer under
+        model.first_attn_norm=false)."""
         attn_key, attn_drop_key, ffn_drop_key = (None, None, None) if key is None else jax.random.split(key, 3)
-        h_BxTxD = self.sublayer_input(x_BxTxD, self.attn_norm)
+        h_BxTxD = self.sublayer_input(x_BxTxD, self.attn_norm) if attn_norm else x_BxTxD
         y_BxTxD, new_cache = self.attn(
             h_BxTxD, positions_BxT, segment_ids_BxT, window, attn_key, cache, index, collect, bias_table
         )
@@ -198,18 +201,19 @@ def _block_forward(
     collect: bool,
     memory: Memory | None = None,
     bias_table: jax.Array | None = None,
+    attn_norm: bool = True,
 ) -> tuple[jax.Array, Stats]:
     """One block without a cache, and what it sowed, by name: with `collect`, when its FFN is a
     mixture of experts (whose routing losses the trainer needs), or under QK-clip (its heads' largest
     logits); else {}."""
+
+    def call(m: Block, collect: bool) -> jax.Array:
+        args = (x_BxTxD, positions_BxT, segment_ids_BxT, window, key)
+        return m(*args, collect=collect, memory=memory, bias_table=bias_table, attn_norm=attn_norm)[0]
+
     if not (collect or isinstance(block.ffn, MoE) or block.cfg.qk_clip is not None):
-        return block(x_BxTxD, positions_BxT, segment_ids_BxT, window, key, memory=memory, bias_table=bias_table)[0], {}
-    forward = nnx.capture(
-        lambda m: m(
-            x_BxTxD, positions_BxT, segment_ids_BxT, window, key, collect=collect, memory=memory, bias_table=bias_table
-        )[0],
-        nnx.Intermediate,
-    )
+        return call(block, False), {}
+    forward = nnx.capture(lambda m: call(m, collect), nnx.Intermediate)
     x_BxTxD, sown = forward(block)
     # each sown value is a one-element tuple
     return x_BxTxD, {str(path[-1]): value.get_value()[0] for path, value in nnx.to_flat_state(sown)}
@@ -309,6 +313,23 @@ def _over_groups(
     return x_BxTxD, {n: jnp.stack([s[n] for s in per_position if n in s], axis=1).reshape(-1) for n in names}
 
 
+def _first_apart(
+    cfg: ModelConfig, first: BlockStep, step: BlockStep, state: nnx.State, x_BxTxD: jax.Array, keys_L
+) -> tuple[jax.Array, Stats]:
+    """The first layer by `first` (model.first_attn_norm=false), the others by `step`, each part
+    scanned (or unrolled) as a stack of its own."""
+    windows, runs = cfg.layer_windows, [slice(0, 1), slice(1, cfg.n_layers)]
+    per_run = []
+    for run, run_step in zip(runs, (first, step)):
+        if run.start == run.stop:  # a one-layer model
+            continue
+        state_run = jax.tree.map(lambda a, run=run: a[run], state)
+        keys = None if keys_L is None else keys_L[run]
+        x_BxTxD, stats = _over_layers(cfg, run_step, x_BxTxD, state_run, keys, windows[run])
+        per_run.append(stats)
+    return x_BxTxD, {k: jnp.concatenate([s[k] for s in per_run]) for k in per_run[0]}
+
+
 def _over_runs(
     cfg: ModelConfig, steps: dict[str, BlockStep], states: dict[str, nnx.State], x_BxTxD: jax.Array, keys_L
 ) -> tuple[jax.Array, Stats]:
@@ -359,13 +380,15 @@ class MLMHead(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         D = cfg.d_model
         self.dense = normal_param(rngs, (D, D), ("embed", None), cfg.init_std, cfg)
-        self.dense_bias = const_param(0.0, (D,), (None,), cfg)
+        self.dense_bias = const_param(0.0, (D,), (None,), cfg) if cfg.mlm_head_bias else None
         self.norm = Norm(cfg)
         self.cfg = cfg
 
     def transform(self, x_BxTxD: jax.Array) -> jax.Array:
         h_BxTxD = jnp.einsum("BTD,DE->BTE", x_BxTxD, self.dense[...].astype(x_BxTxD.dtype))
-        return self.norm(ACTIVATIONS[self.cfg.ffn](h_BxTxD + self.dense_bias[...].astype(x_BxTxD.dtype)))
+        if self.dense_bias is not None:
+            h_BxTxD = h_BxTxD + self.dense_bias[...].astype(x_BxTxD.dtype)
+        return self.norm(ACTIVATIONS[self.cfg.ffn](h_BxTxD))
 
 
 class Transformer(nnx.Module):
@@ -450,7 +473,12 @@ class Transformer(nnx.Module):
                 table = None if self.rel_bias is None else self.rel_bias[...]
                 steps[name] = self._layer_step(graphdef, positions_BxT, segment_ids_BxT, collect, memory, table)
         keys_L = None if key is None else jax.random.split(key, self.cfg.n_layers)
-        if len(steps) == 1:  # one kind of layer: one stack, scanned as it is
+        if not self.cfg.first_attn_norm:  # the first layer on its own, then the rest
+            graphdef, _ = nnx.split(self.blocks)
+            table = None if self.rel_bias is None else self.rel_bias[...]
+            first = self._layer_step(graphdef, positions_BxT, segment_ids_BxT, collect, memory, table, attn_norm=False)
+            x_BxTxD, stats_L = _first_apart(self.cfg, first, steps["blocks"], states["blocks"], x_BxTxD, keys_L)
+        elif len(steps) == 1:  # one kind of layer: one stack, scanned as it is
             (name,) = steps
             x_BxTxD, stats_L = _over_layers(
                 self.cfg, steps[name], x_BxTxD, states[name], keys_L, self.cfg.layer_windows
@@ -490,12 +518,13 @@ class Transformer(nnx.Module):
         collect: bool,
         memory: Memory | None = None,
         bias_table: jax.Array | None = None,
+        attn_norm: bool = True,
     ) -> BlockStep:
         # the memory and the stack's bias table are the same for every layer: closed over, like the positions
         def step(x: jax.Array, state_l: nnx.State, key_l: jax.Array | None, window: Window) -> tuple[jax.Array, Stats]:
             block = nnx.merge(graphdef, state_l)
             x = place(x, RESIDUAL_AXES)
-            args = (block, x, positions_BxT, segment_ids_BxT, window, key_l, collect, memory, bias_table)
+            args = (block, x, positions_BxT, segment_ids_BxT, window, key_l, collect, memory, bias_table, attn_norm)
             x, stats = _block_forward(*args)
             return place(x, RESIDUAL_AXES), stats
 
@@ -644,9 +673,10 @@ class Transformer(nnx.Module):
         new_cache = []
         for i, window in enumerate(self.cfg.layer_windows):  # unrolled: layers may hold caches of different sizes
             # captured, so that what a MoE layer sows is collected and dropped rather than kept on the block
+            first_apart = i == 0 and not self.cfg.first_attn_norm
             forward = nnx.capture(
-                lambda b, x=x_BxTxD, w=window, c=cache[i]: b(
-                    x, positions_BxT, None, w, None, c, index, bias_table=table
+                lambda b, x=x_BxTxD, w=window, c=cache[i], norm=not first_apart: b(
+                    x, positions_BxT, None, w, None, c, index, bias_table=table, attn_norm=norm
                 ),
                 nnx.Intermediate,
             )
