@@ -27,6 +27,8 @@ COMPANIONS = {
     "model.attention_impl=cudnn": ["model.dtype=bfloat16"],  # the schema refuses cudnn in float32
     "faults.corrupt_kind": ["faults.corrupt_step=1"],  # the kind is used only when the fault fires
     "model.depth_scaling": ["model.parametrization=mup"],  # depth scaling sits on µP's width rules
+    # groups scored by their two best: four experts in two groups, two chosen
+    "model.router_group_score": ["model.n_experts=4", "model.top_k=2", "model.router_groups=2"],
     "optim.muon.ns": ["optim.name=muon"],  # Muon's keys are refused under other optimisers
     "optim.muon.scale": ["optim.name=muon"],
     "optim.name=schedule_free_adamw": ["optim.schedule=constant"],  # it refuses a decaying schedule
