@@ -822,3 +822,50 @@ def test_a_hostile_checkpoint_through_eval_py_is_one_line_exit_2(kind, tmp_path)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
     assert lines[0].startswith("eval.py: error: model.init_from: ") and str(path) in lines[0], lines[0]
+
+
+def _bert_tokenizer(out: Path) -> None:
+    """A WordPiece of the fixtures' 320 ids with BERT's special tokens, and a tokenizer_config.json
+    naming them as BERT's does: [CLS] and [SEP], no BOS or EOS; [MASK]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordPieceTrainer(vocab_size=320, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator([p.read_text() for p in sorted((ROOT / "transformer").rglob("*.py"))], trainer=trainer)
+    assert tok.get_vocab_size() == 320
+    tok.save(str(out / "tokenizer.json"))
+    named = dict(zip(("pad_token", "unk_token", "cls_token", "sep_token", "mask_token"), specials))
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", **named}))
+
+
+def test_an_encoders_own_mask_token_is_the_one_mlm_and_fill_mask_use(tmp_path, capsys):
+    """A BERT tokenizer (no BOS or EOS, a [MASK] of its own): [CLS] and [SEP] frame a text, and mlm's
+    mask is its [MASK], so the vocabulary stays the checkpoint's; `eval.py --hf PATH --fill-mask`
+    fills each <mask> or [MASK] of a text with the model's best tokens; MLM fine-tunes from it."""
+    from conftest import write_corpus
+
+    from transformer.cli import eval_main, train_main
+    from transformer.data import load_pretrained
+    from transformer.data.objectives import Vocab
+
+    for file in (hf.CONFIG_JSON, hf.WEIGHTS):
+        shutil.copy(FIXTURES / "bert" / file, tmp_path)
+    _bert_tokenizer(tmp_path)
+    tok = load_pretrained(str(tmp_path))
+    ids = {name: tok.tok.token_to_id(name) for name in ("[CLS]", "[SEP]", "[PAD]", "[MASK]")}
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.mask_id, tok.vocab_size) == (*ids.values(), 320)
+    vocab = Vocab(tok, n_mask=1)
+    assert vocab.size == 320 and vocab.mask_id == ids["[MASK]"] and ids["[MASK]"] not in vocab.ordinary_ids
+    assert vocab.encode("a [MASK] b <mask>").count(ids["[MASK]"]) == 2
+    fill = ["--fill-mask", "def <mask> (self): [MASK]", "--top-k", "2", "--json", "data.seq_len=16"]
+    assert eval_main(["--hf", str(tmp_path), *fill]) == 0
+    (result,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(result["top"]) == 2 and all(len(top) == 2 for top in result["top"])
+    assert "<mask>" not in result["filled"] and "[MASK]" not in result["filled"]
+    corpus = write_corpus(tmp_path / "docs.jsonl", seed=3, n=60)
+    argv = [f"model.init_from={tmp_path}", "data.objective=mlm", f"data.source=files:{corpus}", "data.seq_len=16"]
+    argv += [f"data.cache_dir={tmp_path / 'cache'}", "data.val_windows=4", "train.batch_size=4", "train.steps=2"]
+    argv += ["train.eval_every=2", "train.eval_tasks=[]", "logging.tensorboard=false", "logging.progress=false"]
+    assert train_main([*argv, "--workdir", str(tmp_path / "run")]) == 0

@@ -629,11 +629,12 @@ def _export_main(args: argparse.Namespace) -> int:
 
 
 def _fill_mask_main(args: argparse.Namespace) -> int:
-    from transformer.eval import evaluate
+    from transformer.eval import evaluate, pretrained
 
-    if args.workdir is None:
-        _fail("eval.py", "--fill-mask reads a run's encoder: give --workdir DIR")
-    results = evaluate.fill_masks(Path(args.workdir), args.fill_mask, args.top_k or 5, args.step)
+    if args.hf is not None:
+        results = pretrained.fill_mask_pretrained(Path(args.hf), args.fill_mask, args.top_k or 5, args.overrides)
+    else:
+        results = evaluate.fill_masks(Path(args.workdir), args.fill_mask, args.top_k or 5, args.step)
     if args.json:
         print(json.dumps(results))
         return 0

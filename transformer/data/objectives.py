@@ -52,7 +52,8 @@ def row_rng(key: np.ndarray) -> np.random.Generator:
 
 @dataclasses.dataclass(frozen=True)
 class Vocab:
-    """The tokenizer's ids, then `n_mask` mask tokens (0 or 1) and `n_sentinels` T5 sentinels."""
+    """The tokenizer's ids, then `n_mask` mask tokens (0 or 1; none where the tokenizer has its own,
+    BERT's [MASK], which is then the mask) and `n_sentinels` T5 sentinels."""
 
     tokenizer: Tokenizer
     n_mask: int = 0
@@ -68,16 +69,22 @@ class Vocab:
         return self.base + self.n_extra
 
     @property
+    def n_added_masks(self) -> int:
+        return self.n_mask if self.tokenizer.mask_id is None else 0
+
+    @property
     def n_extra(self) -> int:
-        return self.n_mask + self.n_sentinels
+        return self.n_added_masks + self.n_sentinels
 
     @property
     def mask_id(self) -> int | None:
-        return self.base if self.n_mask else None
+        if not self.n_mask:
+            return None
+        return self.base if self.tokenizer.mask_id is None else self.tokenizer.mask_id
 
     @property
     def sentinel_ids(self) -> tuple[int, ...]:
-        first = self.base + self.n_mask
+        first = self.base + self.n_added_masks
         return tuple(range(first, first + self.n_sentinels))
 
     @functools.cached_property
@@ -88,13 +95,18 @@ class Vocab:
 
     @functools.cached_property
     def ordinary_ids(self) -> np.ndarray:
-        """The tokenizer's ids less BOS, EOS and PAD: what MLM's random replacements draw from."""
+        """The tokenizer's ids less BOS, EOS, PAD and its own mask: what MLM's random replacements draw from."""
         t = self.tokenizer
-        return np.setdiff1d(np.arange(self.base), [t.bos_id, t.eos_id, t.pad_id])
+        own_mask = [] if t.mask_id is None else [t.mask_id]
+        return np.setdiff1d(np.arange(self.base), [t.bos_id, t.eos_id, t.pad_id, *own_mask])
 
     def encode(self, text: str) -> list[int]:
-        """Text in which <mask> (and <extra_id_i>) stand for their ids, e.g. a fill-mask prompt."""
+        """Text in which <mask> (and <extra_id_i>) stand for their ids, e.g. a fill-mask prompt (and
+        the tokenizer's own mask token, [MASK], for its)."""
         ids_of = {v: k for k, v in self.extra_texts.items()}
+        own = getattr(self.tokenizer, "mask", None)
+        if self.n_mask and own is not None and self.tokenizer.mask_id is not None:
+            ids_of[own] = self.tokenizer.mask_id
         if not ids_of:
             return [int(i) for i in self.tokenizer.encode_batch([text])[0]]
         pieces = re.split("(" + "|".join(map(re.escape, ids_of)) + ")", text)

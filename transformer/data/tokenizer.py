@@ -27,6 +27,7 @@ class ByteTokenizer:
 
     vocab_size = 259
     bos_id, eos_id, pad_id = 256, 257, 258
+    mask_id = None  # an objective that masks adds its own id
     fingerprint = "byte-v1"
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -59,14 +60,17 @@ def _byte_chars() -> list[str]:
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer; BOS/EOS/PAD are the tokens `specials` names: those a
     model directory's tokenizer_config.json gives, else <bos>/<eos>/<pad> (added at the end of the
-    vocabulary when it has none)."""
+    vocabulary when it has none). `mask`: its mask token (BERT's [MASK]), which a masking objective
+    then uses instead of adding one, where the vocabulary has it."""
 
-    def __init__(self, json_text: str, specials: tuple[str, str, str] = SPECIALS):
+    def __init__(self, json_text: str, specials: tuple[str, str, str] = SPECIALS, mask: str | None = None):
         from tokenizers import Tokenizer
 
         self.json_text = json_text
         self.specials = specials
+        self.mask = mask
         self.tok = Tokenizer.from_str(json_text)
+        self.mask_id: int | None = None if mask is None else self.tok.token_to_id(mask)
         ids = [self.tok.token_to_id(s) for s in specials]
         if None in ids:
             self.tok.add_special_tokens([s for s, i in zip(specials, ids) if i is None])
@@ -82,16 +86,18 @@ class HFTokenizer:
         self.fingerprint = "hf2-" + hashlib.sha256(named.encode()).hexdigest()[:16]
 
     def __getstate__(self):  # worker processes rebuild it whole (encode_special_tokens is not pickled)
-        return {"json_text": self.json_text, "specials": self.specials}
+        return {"json_text": self.json_text, "specials": self.specials, "mask": self.mask}
 
     def __setstate__(self, state):
-        self.__init__(state["json_text"], tuple(state.get("specials", SPECIALS)))
+        self.__init__(state["json_text"], tuple(state.get("specials", SPECIALS)), state.get("mask"))
 
     def files(self) -> dict[str, str]:
         """The files that hold it in a Hugging Face model directory: tokenizer.json, and the
         tokenizer_config.json naming its special tokens."""
         bos, eos, pad = self.specials
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad}
+        if self.mask is not None and self.mask_id is not None:
+            config["mask_token"] = self.mask
         # the config first: a run directory holding tokenizer.json is taken to hold both
         return {TOKENIZER_CONFIG: json.dumps(config, indent=2) + "\n", "tokenizer.json": self.json_text}
 
@@ -148,18 +154,22 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
     return HFTokenizer(tok.to_str())
 
 
-def _named_specials(config: Path) -> tuple[str, str, str]:
-    """BOS, EOS and PAD as a tokenizer_config.json names them (PAD and BOS default to EOS), or ours."""
+def _named_specials(config: Path) -> tuple[tuple[str, str, str], str | None]:
+    """(BOS, EOS and PAD, the mask token) as a tokenizer_config.json names them, or ours: an encoder's
+    tokenizer (BERT's) names no BOS or EOS, and its [CLS] and [SEP] take their places around a text;
+    PAD and BOS default to EOS."""
     if not config.is_file():
-        return SPECIALS
+        return SPECIALS, None
     named = json.loads(config.read_text())
 
     def token(key: str) -> str | None:
         value = named.get(key)
         return value.get("content") if isinstance(value, dict) else value
 
-    eos = token("eos_token")
-    return SPECIALS if eos is None else (token("bos_token") or eos, eos, token("pad_token") or eos)
+    eos, mask = token("eos_token") or token("sep_token"), token("mask_token")
+    if eos is None:
+        return SPECIALS, mask
+    return (token("bos_token") or token("cls_token") or eos, eos, token("pad_token") or eos), mask
 
 
 def load_pretrained(path: str) -> HFTokenizer:
@@ -171,6 +181,6 @@ def load_pretrained(path: str) -> HFTokenizer:
     try:
         text = p.read_text()
         json.loads(text)
-        return HFTokenizer(text, _named_specials(p.parent / TOKENIZER_CONFIG))
+        return HFTokenizer(text, *_named_specials(p.parent / TOKENIZER_CONFIG))
     except Exception as e:  # a broken file: say which, not where inside the library it broke
         raise TokenizerError(f"data.tokenizer: cannot load {p}: {str(e).splitlines()[0]}") from None

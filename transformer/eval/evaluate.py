@@ -252,6 +252,13 @@ def fill_masks(workdir: Path, texts: list[str], top_k: int, step: int | None = N
     from transformer.io import checkpoint
 
     cfg, vocab = _run_vocab(workdir, step)
+    encoded = checked_masked_texts(cfg, vocab, texts)
+    _, model = checkpoint.load(workdir, step, note)
+    return filled(model, vocab, texts, encoded, top_k)
+
+
+def checked_masked_texts(cfg: Config, vocab: Vocab, texts: list[str]) -> list[list[int]]:
+    """The texts' ids for --fill-mask, once each is known to hold a <mask> and fit the context."""
     _check(cfg.model.arch == "encoder", f"fills masks with an encoder (model.arch={cfg.model.arch})", "--fill-mask")
     encoded = encode_prompts(vocab, texts, "--fill-mask")
     for text, ids in zip(texts, encoded):
@@ -261,7 +268,11 @@ def fill_masks(workdir: Path, texts: list[str], top_k: int, step: int | None = N
             f"{text[:30]!r}... is {len(ids)} tokens, longer than the context of {cfg.model.max_seq_len}",
             "--fill-mask",
         )
-    _, model = checkpoint.load(workdir, step, note)
+    return encoded
+
+
+def filled(model, vocab: Vocab, texts: list[str], encoded: list[list[int]], top_k: int) -> list[dict]:
+    """Each text with every mask replaced by its best prediction, and the `top_k` of each mask."""
     assert vocab.mask_id is not None  # an encoder's objective (mlm) has one
     best = fill_mask(model, encoded, vocab.mask_id, vocab.tokenizer.pad_id, top_k)
     out = []

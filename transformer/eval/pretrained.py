@@ -51,6 +51,24 @@ def sample_pretrained(path: Path, prompts: list[str], sampling) -> list[str]:
     return complete(cfg, nnx.merge(graphdef, params), vocab, encoded, sampling)
 
 
+def fill_mask_pretrained(path: Path, texts: list[str], top_k: int, overrides: Sequence[str] = ()) -> list[dict]:
+    """`eval.py --hf PATH --fill-mask TEXT`: as `fill_masks` of a run, with PATH's tokenizer (its own
+    mask token, where it has one, is what <mask> in the text stands for)."""
+    from flax import nnx
+
+    from transformer.accelerator import resolve
+    from transformer.data import cache_directory, make_objective, make_tokenizer
+    from transformer.eval.evaluate import checked_masked_texts, filled
+    from transformer.model import Transformer, for_inference
+
+    cfg = resolve(pretrained_config(path, overrides))
+    vocab = make_objective(cfg.data, make_tokenizer(cfg.data, None, cache_directory(cfg.data))).vocab
+    encoded = checked_masked_texts(cfg, vocab, texts)
+    params = hf.load_params(path, cfg.model, hf.abstract_params(cfg.model))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    return filled(for_inference(nnx.merge(graphdef, params)), vocab, texts, encoded, top_k)
+
+
 def export_hf(workdir: Path, step: int | None, out: Path, note: Callable[[str], None]) -> str:
     """`eval.py --workdir RUN [--step N] --export-hf OUT`: the checkpoint as a Hugging Face model
     directory, with the run's tokenizer; returns a line saying what was written."""

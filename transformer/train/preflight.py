@@ -131,22 +131,21 @@ def topology_target(name: str) -> Target:
 def vocab_size(cfg: Config) -> int:
     """The run's vocabulary without preparing its data: the byte tokenizer's, a BPE's target size,
     a pretrained tokenizer's own; plus the ids the objective adds (a mask token, sentinels)."""
-    from transformer.data import extra_ids
+    from transformer.data import TokenizerError, extra_ids, load_pretrained, make_objective
 
+    if cfg.data.tokenizer.startswith("pretrained:"):  # its own mask token, if it has one, is the objective's
+        try:
+            return make_objective(cfg.data, load_pretrained(cfg.data.tokenizer.partition(":")[2])).vocab.size
+        except TokenizerError as e:
+            raise ConfigError("", str(e)) from None
     return _tokenizer_vocab(cfg) + extra_ids(cfg.data)
 
 
 def _tokenizer_vocab(cfg: Config) -> int:
-    from transformer.data import ByteTokenizer, TokenizerError, load_pretrained
+    """The byte tokenizer's ids, or the BPE's target size (a pretrained tokenizer is read whole)."""
+    from transformer.data import ByteTokenizer
 
-    if cfg.data.tokenizer == "byte":
-        return ByteTokenizer.vocab_size
-    if cfg.data.tokenizer == "bpe":
-        return cfg.data.vocab_size
-    try:
-        return load_pretrained(cfg.data.tokenizer.partition(":")[2]).vocab_size
-    except TokenizerError as e:
-        raise ConfigError("", str(e)) from None
+    return ByteTokenizer.vocab_size if cfg.data.tokenizer == "byte" else cfg.data.vocab_size
 
 
 def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, local: dict[str, np.ndarray] | None = None) -> dict:
