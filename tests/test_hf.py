@@ -869,3 +869,23 @@ def test_an_encoders_own_mask_token_is_the_one_mlm_and_fill_mask_use(tmp_path, c
     argv += [f"data.cache_dir={tmp_path / 'cache'}", "data.val_windows=4", "train.batch_size=4", "train.steps=2"]
     argv += ["train.eval_every=2", "train.eval_tasks=[]", "logging.tensorboard=false", "logging.progress=false"]
     assert train_main([*argv, "--workdir", str(tmp_path / "run")]) == 0
+
+
+def test_an_encoder_decoder_checkpoint_generates_from_its_decoder_start_token(monkeypatch):
+    """`eval.py --hf PATH --generate`: BART decodes from config.json's decoder_start_token_id (</s>),
+    T5 from its pad id; a run of this framework's own decodes from BOS, as it was trained."""
+    from transformer.eval import evaluate, pretrained
+    from transformer.eval.generate import SamplingConfig
+
+    assert pretrained.decoder_start(FIXTURES / "bart", 320) == 2
+    assert pretrained.decoder_start(FIXTURES / "t5", 320) == 0
+    starts, real = [], evaluate.generate_seq2seq
+
+    def recording(model, encoded, start, *rest):
+        starts.append(start)
+        return real(model, encoded, start, *rest)
+
+    monkeypatch.setattr(evaluate, "generate_seq2seq", recording)
+    sampling = SamplingConfig(max_new_tokens=2, temperature=0.0)
+    out = pretrained.sample_pretrained(FIXTURES / "bart", ["ab"], sampling, ["data.seq_len=16"])
+    assert starts == [2] and len(out) == 1

@@ -649,14 +649,16 @@ def _sample_main(args: argparse.Namespace, prompts: list[str]) -> int:
     from transformer.eval import SamplingConfig, evaluate, pretrained
 
     cfg = (
-        evaluate.run_config(Path(args.workdir), []) if args.hf is None else pretrained.pretrained_config(Path(args.hf))
+        evaluate.run_config(Path(args.workdir), [])
+        if args.hf is None
+        else pretrained.pretrained_config(Path(args.hf), args.overrides)
     )
     _check_sampling(args, cfg, len(prompts))
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     if args.hf is None:
         texts = evaluate.sample_run(Path(args.workdir), prompts, sampling, args.step)
     else:
-        texts = pretrained.sample_pretrained(Path(args.hf), prompts, sampling)
+        texts = pretrained.sample_pretrained(Path(args.hf), prompts, sampling, args.overrides)
     if args.json:
         print(json.dumps([{"prompt": p, "completion": t} for p, t in zip(prompts, texts)]))
     else:

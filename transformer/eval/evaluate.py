@@ -233,13 +233,22 @@ def _check(ok: bool, message: str, flag: str = "--generate") -> None:
         raise ConfigError(flag, message)
 
 
-def complete(cfg: Config, model, vocab: Vocab, encoded: list[list[int]], sampling: SamplingConfig) -> list[str]:
+def complete(
+    cfg: Config,
+    model,
+    vocab: Vocab,
+    encoded: list[list[int]],
+    sampling: SamplingConfig,
+    decoder_start: int | None = None,
+) -> list[str]:
     """The sampled continuation of each prompt, as text: an encoder-decoder's output for the prompt
-    as its input; a decoder trained on pairs (prefix) continues after the separator it was trained
-    with, so the prompt is an input and the continuation its target."""
+    as its input, decoded from `decoder_start` (None: BOS, as this framework trains them); a
+    decoder trained on pairs (prefix) continues after the separator it was trained with, so the
+    prompt is an input and the continuation its target."""
     t = vocab.tokenizer
     if cfg.model.arch == "encoder_decoder":
-        out = generate_seq2seq(model, encoded, t.bos_id, t.eos_id, t.pad_id, sampling)
+        start = t.bos_id if decoder_start is None else decoder_start
+        out = generate_seq2seq(model, encoded, start, t.eos_id, t.pad_id, sampling)
     else:
         separator = [t.bos_id] if cfg.data.objective == "prefix" else []
         out = generate(model, [ids + separator for ids in encoded], t.eos_id, t.pad_id, sampling)

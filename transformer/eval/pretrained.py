@@ -34,7 +34,7 @@ def evaluate_pretrained(
     return evaluate_params(cfg, trainer, _params_on_mesh(cfg, path, trainer), 0, None, split, batches)
 
 
-def sample_pretrained(path: Path, prompts: list[str], sampling) -> list[str]:
+def sample_pretrained(path: Path, prompts: list[str], sampling, overrides: Sequence[str] = ()) -> list[str]:
     """`eval.py --hf PATH --generate ...`: continuations of the prompts, with PATH's tokenizer."""
     from flax import nnx
 
@@ -43,12 +43,24 @@ def sample_pretrained(path: Path, prompts: list[str], sampling) -> list[str]:
     from transformer.eval.evaluate import checked_prompts, complete
     from transformer.model import Transformer
 
-    cfg = resolve(pretrained_config(path))  # the dtype and attention this machine runs
+    cfg = resolve(pretrained_config(path, overrides))  # the dtype and attention this machine runs
     vocab = Vocab(make_tokenizer(cfg.data, None, cache_directory(cfg.data)))
     encoded = checked_prompts(cfg, vocab, prompts, sampling)
     params = hf.load_params(path, cfg.model, hf.abstract_params(cfg.model))
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
-    return complete(cfg, nnx.merge(graphdef, params), vocab, encoded, sampling)
+    start = decoder_start(path, cfg.model.vocab_size) if cfg.model.arch == "encoder_decoder" else None
+    return complete(cfg, nnx.merge(graphdef, params), vocab, encoded, sampling, start)
+
+
+def decoder_start(path: Path, vocab_size: int) -> int | None:
+    """The token an encoder-decoder checkpoint decodes from: config.json's decoder_start_token_id
+    (BART's </s>), else T5's convention, its pad_token_id; None where it names neither (BOS then)."""
+    config = hf.read_config_json(path)
+    for key in ("decoder_start_token_id", "pad_token_id" if config.get("model_type") == "t5" else None):
+        value = config.get(key) if key else None
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size:
+            return value
+    return None
 
 
 def fill_mask_pretrained(path: Path, texts: list[str], top_k: int, overrides: Sequence[str] = ()) -> list[dict]:
