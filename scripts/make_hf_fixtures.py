@@ -220,6 +220,22 @@ FIXTURES = {
         },
         vocab_size=VOCAB,
     ),
+    # Gemma 3 as its 4B and larger models are: the global layers' RoPE stretched linearly, the local not
+    "gemma3_scaled": transformers.Gemma3TextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        sliding_window_pattern=3,
+        rope_parameters={
+            "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0},
+            "sliding_attention": {"rope_theta": 1e2, "rope_type": "default"},
+        },
+        vocab_size=VOCAB,
+    ),
     # encoders: BERT, and RoBERTa (positions from 2)
     "bert": transformers.BertConfig(
         hidden_size=32,
@@ -437,6 +453,21 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         n_layers=3,
         rope_theta=1e6,
         rope_local_theta=1e3,
+    ),
+    "gemma3-global-scaling": dict(
+        norm_position="sandwich",
+        norm_offset=True,
+        embed_scale=True,
+        ffn="geglu",
+        qk_norm=True,
+        window=5,
+        attention_pattern=("local", "local", "global"),
+        n_layers=3,
+        rope_theta=1e6,
+        rope_local_theta=1e3,
+        rope_scaling="linear",
+        rope_factor=8.0,
+        rope_local_scaling=False,
     ),
     "bert": dict(
         arch="encoder",

@@ -243,6 +243,8 @@ INVALID = [
     (["model.first_attn_norm=false", "model.n_experts=2"], "model.first_attn_norm", "dense"),
     (["model.mlm_head_bias=false"], "model.mlm_head_bias", "mlm_head"),
     (["model.rope_beta_fast=16"], "model.rope_beta_fast", "yarn"),
+    (["model.rope_local_scaling=false", "model.window=8"], "model.rope_local_scaling", "rope_scaling"),
+    (["model.rope_local_scaling=false", "model.rope_scaling=linear"], "model.rope_local_scaling", "window"),
     (["model.rope_attention_factor=1.1"], "model.rope_attention_factor", "yarn"),
     (["model.rope_scaling=yarn", "model.rope_beta_slow=40"], "model.rope_beta_fast", "exceed"),
     (["model.rope_scaling=yarn", "model.rope_attention_factor=0"], "model.rope_attention_factor", "> 0"),

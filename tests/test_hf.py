@@ -26,6 +26,7 @@ from transformer.model import Transformer
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 FAMILIES = (
     *("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text"),
+    "gemma3_scaled",
     *("bert", "roberta", "modernbert", "bart", "t5", "t5_v1_0", "deepseek_v2", "deepseek_v3"),
 )
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
@@ -83,6 +84,8 @@ def test_the_fixtures_need_their_conventions():
         ("gemma3_text", dict(rope_local_theta=None)),
         ("t5", dict(rel_max_distance=128)),  # the buckets of the longer distances move
         ("t5_v1_0", dict(scale_head_input=False)),
+        ("gemma3_scaled", dict(rope_local_scaling=True)),  # the local layers stretched too
+        ("gemma3_scaled", dict(rope_scaling="none", rope_factor=1.0, rope_local_scaling=True)),
         ("modernbert", dict(first_attn_norm=True)),  # layer 0's never-read gain of ones read
         ("modernbert", dict(rope_local_theta=None)),
         ("modernbert", dict(attention_pattern=("global",) * 4)),

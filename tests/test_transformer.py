@@ -32,8 +32,10 @@ def with_config(model, cfg):
         dict(window=3, attention_pattern=("local", "global"), n_layers=3, rope_local_theta=40.0),
         dict(position="alibi", n_kv_heads=1),
         dict(first_attn_norm=False, norm="layernorm", norm_bias=False, n_layers=3),
+        dict(window=3, attention_pattern=("local", "global"), n_layers=3, rope_scaling="linear", rope_factor=4.0)
+        | dict(rope_local_scaling=False),
     ],
-    ids=["default", "pattern", "pattern-local-theta", "alibi-mqa", "first-apart"],
+    ids=["default", "pattern", "pattern-local-theta", "alibi-mqa", "first-apart", "global-scaling"],
 )
 @pytest.mark.parametrize("unroll", [dict(scan_layers=False), dict(scan_unroll=2), dict(scan_unroll=8)])
 def test_scan_equals_unrolled(extra, unroll):

@@ -171,6 +171,7 @@ class ModelConfig:
     rel_buckets: int = 32  # t5_relative: buckets of the distance, half each way when bidirectional
     rel_max_distance: int = 128  # t5_relative: the distance the last (logarithmic) bucket starts at
     rope_local_theta: float | None = None  # theta of the layers with a window (Gemma 3, ModernBERT); null: rope_theta
+    rope_local_scaling: bool = True  # false: rope_scaling stretches the global layers alone, not the windowed (Gemma 3)
     # RoPE frequencies stretched for longer contexts: linear divides all by rope_factor; llama3
     # (Llama 3.1) divides the low ones, keeps the high ones, and blends between (see positions.py)
     rope_scaling: RopeScaling = "none"
@@ -439,6 +440,13 @@ class ModelConfig:
             _check(self.rope_local_theta > 0, "rope_local_theta", f"must be > 0, got {self.rope_local_theta}")
             _check(self.window is not None, "rope_local_theta", "is the windowed layers' theta: set model.window")
             _check(self.rope_scaling != "yarn", "rope_local_theta", "has no yarn scaling here (one theta per model)")
+        if not self.rope_local_scaling:
+            _check(
+                self.rope_scaling != "none",
+                "rope_local_scaling",
+                "false keeps the windowed layers unscaled: set model.rope_scaling",
+            )
+            _check(self.window is not None, "rope_local_scaling", "is the windowed layers' scaling: set model.window")
         yarn = ("rope_beta_fast", 32.0), ("rope_beta_slow", 1.0), ("rope_attention_factor", None)
         for name, default in yarn if self.rope_scaling != "yarn" else ():
             _check(getattr(self, name) == default, name, "is yarn's: set model.rope_scaling=yarn, or leave it out")

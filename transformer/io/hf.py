@@ -427,18 +427,22 @@ def _gemma_layers(hf: dict, n_layers: int) -> dict:
 
 
 def _gemma_rope(hf: dict) -> dict:
-    """The global layers' theta and the local ones' (Gemma 3: `rope_parameters` by layer type, or
-    `rope_theta` and `rope_local_base_freq`); RoPE scaling of one kind of layer alone is refused."""
+    """The global layers' theta and scaling and the local ones' (Gemma 3: `rope_parameters` by layer
+    type, or `rope_theta`, `rope_scaling` for the global layers alone and `rope_local_base_freq`;
+    Gemma 2: one for all); the local layers scaled as the global ones, or not at all."""
     by_type = _object(hf, "rope_parameters")
     if "full_attention" in by_type:
         full = _rope_keys({"rope_parameters": _object(by_type, "full_attention")})
         local = _rope_keys({"rope_parameters": _object(by_type, "sliding_attention")})
-    else:
+    elif "rope_local_base_freq" in hf:  # transformers 4's Gemma 3: rope_scaling is the global layers'
         full = _rope_keys(hf)
-        local = dict(rope_theta=_number(hf, "rope_local_base_freq", full["rope_theta"]))
-    if len(full) > 1 or len(local) > 1:
-        raise _refuse("rope_parameters", "RoPE scaling of the global or local layers alone is not supported")
-    return full | dict(rope_local_theta=local["rope_theta"])
+        local = dict(rope_theta=_number(hf, "rope_local_base_freq"))
+    else:
+        full = local = _rope_keys(hf)
+    scaling, local_scaling = ({k: v for k, v in d.items() if k != "rope_theta"} for d in (full, local))
+    if local_scaling and local_scaling != scaling:
+        raise _refuse("rope_parameters", "the local layers' RoPE scaling is not the global layers': not supported")
+    return full | dict(rope_local_theta=local["rope_theta"], rope_local_scaling=bool(local_scaling) or not scaling)
 
 
 def _gemma_keys(hf: dict) -> dict:
@@ -452,6 +456,8 @@ def _gemma_keys(hf: dict) -> dict:
     layers, rope = _gemma_layers(hf, L), _gemma_rope(hf)
     if layers["window"] is None or rope["rope_local_theta"] == rope["rope_theta"]:
         rope["rope_local_theta"] = None
+    if layers["window"] is None:  # no local layer to keep unscaled
+        rope["rope_local_scaling"] = True
     caps = {
         ours: None if hf.get(name) is None else _number(hf, name)
         for ours, name in (("attn_softcap", "attn_logit_softcapping"), ("logit_softcap", "final_logit_softcapping"))
@@ -840,11 +846,11 @@ def _deepseek_v3_json(m: ModelConfig) -> dict:
 
 def _gemma_json(m: ModelConfig) -> dict:
     rope = {}
-    if m.qk_norm:  # Gemma 3: a theta per kind of layer
-        local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
-        thetas = {"full_attention": m.rope_theta, "sliding_attention": local}
-        by_type = {kind: {"rope_theta": theta, "rope_type": "default"} for kind, theta in thetas.items()}
-        rope = {"rope_parameters": by_type, "rope_scaling": None}
+    if m.qk_norm:  # Gemma 3: a theta per kind of layer, and the global layers' scaling, the local's too or none
+        full = _rope_json(m)["rope_parameters"]
+        local = full if m.rope_local_scaling else {"rope_type": "default"}
+        local = local | {"rope_theta": m.rope_theta if m.rope_local_theta is None else m.rope_local_theta}
+        rope = {"rope_parameters": {"full_attention": full, "sliding_attention": local}, "rope_scaling": None}
     return {k: v for k, v in _llama_json(m).items() if k not in ("hidden_act", "mlp_bias")} | {
         "hidden_activation": GATED_NAMES[m.ffn],
         "query_pre_attn_scalar": m.head_dim if m.attn_scale is None else round(m.attn_scale**-2),

@@ -154,9 +154,16 @@ class RotaryPositions(Positions):
     theta: float
     scaling: RopeScaling = RopeScaling()
     local_theta: float | None = None  # the windowed layers' theta (model.rope_local_theta)
+    local_scaling: bool = True  # false: the windowed layers' RoPE is not scaled (model.rope_local_scaling)
 
     def rotate(self, x: jax.Array, positions_BxT: jax.Array, window: Window = None) -> jax.Array:
-        return rope(x, positions_BxT, self.layer_theta(window), self.scaling)
+        theta = self.layer_theta(window)
+        if self.local_scaling or window is None:
+            return rope(x, positions_BxT, theta, self.scaling)
+        if isinstance(window, jax.Array):  # a layer of a scanned pattern: scaled where it is global
+            scaled, plain = rope(x, positions_BxT, theta, self.scaling), rope(x, positions_BxT, theta)
+            return jnp.where(window >= GLOBAL_WINDOW, scaled, plain)
+        return rope(x, positions_BxT, theta)
 
     def layer_theta(self, window: Window) -> float | jax.Array:
         """The theta of a layer with `window`: the local one where it has a window."""
@@ -246,7 +253,7 @@ def positions_for(cfg: ModelConfig) -> Positions:
                 cfg.rope_beta_slow,
                 cfg.rope_attention_factor,
             )
-            return RotaryPositions(cfg.rope_theta, scaling, cfg.rope_local_theta)
+            return RotaryPositions(cfg.rope_theta, scaling, cfg.rope_local_theta, cfg.rope_local_scaling)
         case "alibi":
             return AlibiPositions(cfg.n_heads)
         case "t5_relative":
