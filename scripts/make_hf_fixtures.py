@@ -36,6 +36,7 @@ VOCAB = 320
 IDS_SHAPE = (2, 24)  # longer than mistral's window
 
 COMMON = dict(vocab_size=VOCAB, tie_word_embeddings=False)
+# a fixture's seed is its place in this table: new fixtures go last, so that the others stay as made
 FIXTURES = {
     "gpt2": transformers.GPT2Config(
         n_embd=32, n_layer=2, n_head=4, n_positions=64, activation_function="gelu", vocab_size=VOCAB
@@ -115,71 +116,6 @@ FIXTURES = {
         norm_topk_prob=False,
         **COMMON,
     ),
-    # MLA: DeepSeek-V2-Lite's shape (full-rank queries) with group-limited softmax routing, scaled
-    # gates, two shared experts and the first layer dense; DeepSeek-V3's (low-rank queries) with
-    # sigmoid routing, its choice bias drawn too, groups of four scored by their two best; both
-    # under YaRN stretching a context of 16 by 4, V3 with a rotary temperature of its own
-    "deepseek_v2": transformers.DeepseekV2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=24,
-        q_lora_rank=None,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        topk_method="group_limited_greedy",
-        routed_scaling_factor=1.5,
-        n_shared_experts=2,
-        first_k_dense_replace=1,
-        max_position_embeddings=64,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=16,
-            mscale=0.707,
-            mscale_all_dim=0.707,
-        ),
-        **COMMON,
-    ),
-    "deepseek_v3": transformers.DeepseekV3Config(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=24,
-        q_lora_rank=20,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=12,
-        num_experts_per_tok=3,
-        n_group=3,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        max_position_embeddings=64,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=16,
-            mscale=1.0,
-            mscale_all_dim=0.9,
-        ),
-        **COMMON,
-    ),
     "qwen3_moe": transformers.Qwen3MoeConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -216,22 +152,6 @@ FIXTURES = {
         sliding_window_pattern=3,
         rope_parameters={
             "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
-            "sliding_attention": {"rope_theta": 1e2, "rope_type": "default"},
-        },
-        vocab_size=VOCAB,
-    ),
-    # Gemma 3 as its 4B and larger models are: the global layers' RoPE stretched linearly, the local not
-    "gemma3_scaled": transformers.Gemma3TextConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=5,
-        sliding_window_pattern=3,
-        rope_parameters={
-            "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0},
             "sliding_attention": {"rope_theta": 1e2, "rope_type": "default"},
         },
         vocab_size=VOCAB,
@@ -313,12 +233,93 @@ FIXTURES = {
         tie_word_embeddings=True,
         vocab_size=VOCAB,
     ),
+    # MLA: DeepSeek-V2-Lite's shape (full-rank queries) with group-limited softmax routing, scaled
+    # gates, two shared experts and the first layer dense; DeepSeek-V3's (low-rank queries) with
+    # sigmoid routing, its choice bias drawn too, groups of four scored by their two best; both
+    # under YaRN stretching a context of 16 by 4, V3 with a rotary temperature of its own
+    "deepseek_v2": transformers.DeepseekV2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=24,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=16,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
+        **COMMON,
+    ),
+    "deepseek_v3": transformers.DeepseekV3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=24,
+        q_lora_rank=20,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=12,
+        num_experts_per_tok=3,
+        n_group=3,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=16,
+            mscale=1.0,
+            mscale_all_dim=0.9,
+        ),
+        **COMMON,
+    ),
+    # Gemma 3 as its 4B and larger models are: the global layers' RoPE stretched linearly, the local not
+    "gemma3_scaled": transformers.Gemma3TextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        sliding_window_pattern=3,
+        rope_parameters={
+            "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0},
+            "sliding_attention": {"rope_theta": 1e2, "rope_type": "default"},
+        },
+        vocab_size=VOCAB,
+    ),
 }
 MASKED = ("bert", "roberta", "modernbert")  # encoders with a prediction head: AutoModelForMaskedLM
 SEQ2SEQ = ("bart", "t5", "t5_v1_0")  # encoder-decoders: AutoModelForSeq2SeqLM
 # T5's unscaled attention logits make its random fixture sensitive to float32 rounding: transformers'
 # own float32 logits differ from its float64 ones by 1.3e-4 there, and this framework's by as much
-IMPORT_TOLERANCE = {"t5": 5e-4}
+IMPORT_TOLERANCE = {"t5": 5e-4, "t5_v1_0": 5e-4}
 WITH_TOKENIZER = ("llama", "gpt2")
 
 
@@ -350,12 +351,15 @@ def decoder_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids[:, ::-1])
 
 
-def hf_logits(path: Path, ids: np.ndarray) -> np.ndarray:
-    """transformers' logits of `ids` (an encoder-decoder's: of decoder_ids(ids), reading ids)."""
+def hf_logits(path: Path, ids: np.ndarray, token_types: np.ndarray | None = None) -> np.ndarray:
+    """transformers' logits of `ids` (an encoder-decoder's: of decoder_ids(ids), reading ids; BERT's
+    of `token_types` where given)."""
     kind = json.loads((path / "config.json").read_text())["model_type"]
     model = auto_class(kind).from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     extra = {"decoder_input_ids": torch.from_numpy(decoder_ids(ids))} if kind in SEQ2SEQ else {}
+    if token_types is not None:
+        extra["token_type_ids"] = torch.from_numpy(token_types)
     with torch.no_grad():
         return model(torch.from_numpy(ids), **extra).logits.numpy()
 
@@ -402,7 +406,11 @@ def make(name: str, seed: int) -> None:
     if name == "roberta":  # it counts positions past its padding id (1): a single-segment row has none
         ids[ids == 1] = 3
     logits = hf_logits(out, ids)
-    save_file({"input_ids": ids, "logits": logits.astype(np.float32)}, str(out / "reference.safetensors"))
+    reference = {"input_ids": ids, "logits": logits.astype(np.float32)}
+    if getattr(config, "type_vocab_size", 1) > 1:  # BERT's segments: the second half of each row type 1
+        types = (np.arange(ids.shape[1]) >= ids.shape[1] // 2).astype(np.int64)[None].repeat(len(ids), 0)
+        reference |= {"token_type_ids": types, "type_logits": hf_logits(out, ids, types).astype(np.float32)}
+    save_file(reference, str(out / "reference.safetensors"))
     print(f"{name}: {sum(f.stat().st_size for f in out.iterdir()) / 1e3:.0f} kB")
 
 
@@ -481,6 +489,7 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         mlm_head=True,
         output_bias=True,
         norm_eps=1e-12,
+        token_types=2,
     ),
     "modernbert": dict(
         arch="encoder",

@@ -192,6 +192,7 @@ class ModelConfig:
     # false: the first layer's attention reads the stream as it is, the embedding norm serving as its
     # norm (ModernBERT); its attn_norm's parameters are then never read
     first_attn_norm: bool = True
+    token_types: int = 0  # a learned embedding per token type added to the tokens' (BERT's segments A/B); 0: none
     embedding_norm: bool = False  # a norm on the embeddings, positions added (BERT, BART); each stack its own
     norm_offset: bool = False  # norm gains kept as their offset w from 1, applied as 1 + w (Gemma): 0 at init
     embed_scale: bool = False  # token embeddings times sqrt(d_model), before positions (Vaswani et al., Gemma)
@@ -593,6 +594,7 @@ class ModelConfig:
         _check(not self.use_bias, "use_bias", "experts have no biases: set model.use_bias=false with n_experts")
 
     def _check_norms(self) -> None:
+        _check(self.token_types >= 0, "token_types", f"must be >= 0 (0: none), got {self.token_types}")
         _check(self.mlm_head or self.mlm_head_bias, "mlm_head_bias", "is the prediction head's: set model.mlm_head")
         _check(self.norm_bias or self.norm == "layernorm", "norm_bias", "is LayerNorm's: set model.norm=layernorm")
         if self.first_attn_norm:

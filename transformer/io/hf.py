@@ -491,9 +491,9 @@ def _gemma3_keys(hf: dict) -> dict:
 
 
 def _bert_keys(hf: dict) -> dict:
-    """BERT: a Post-LN encoder with learned positions (token type 0's row added to them: single-segment
-    inputs), a LayerNorm on the embeddings, biases everywhere, a GELU MLP and the prediction head,
-    its decoder the word embeddings."""
+    """BERT: a Post-LN encoder with learned positions and token types (model.token_types; a single
+    type's row joins the positions), a LayerNorm on the embeddings, biases everywhere, a GELU MLP and
+    the prediction head, its decoder the word embeddings."""
     for name in ("is_decoder", "add_cross_attention"):
         if _flag(hf, name, False):
             raise _refuse(name, "true is not supported (an encoder is read here)")
@@ -522,6 +522,7 @@ def _bert_keys(hf: dict) -> dict:
         tie_embeddings=True,
         mlm_head=True,
         output_bias=True,
+        token_types=0 if (types := _positive(hf, "type_vocab_size", 2)) == 1 else types,
     )
 
 
@@ -870,7 +871,7 @@ def _bert_json(m: ModelConfig) -> dict:
         "intermediate_size": m.d_ff,
         "hidden_act": MLP_NAMES[m.ffn],
         "max_position_embeddings": m.max_seq_len,
-        "type_vocab_size": BERT_TYPES,
+        "type_vocab_size": max(1, m.token_types),  # none: one, all zero
         "layer_norm_eps": m.norm_eps,
         "vocab_size": m.vocab_size,
         "tie_word_embeddings": True,
@@ -1190,21 +1191,24 @@ def _row_out(m: ModelConfig, x: np.ndarray) -> Arrays:
 
 
 ROBERTA_OFFSET = 2  # RoBERTa counts positions from padding_idx + 1
-BERT_TYPES = 2  # token types an exported BERT has (all but type 0 zero)
 
 
 def _bert_positions_in(offset: int) -> Callable[[ModelConfig, Arrays], np.ndarray]:
-    """Position rows from `offset` on, plus token type 0's row: what a single-segment input adds."""
+    """Position rows from `offset` on (RoBERTa's first two are never read), plus the one token type's
+    row where there is only one (type_vocab_size 1, RoBERTa's: model.token_types 0, as every input has it)."""
 
     def to_ours(m: ModelConfig, xs: Arrays) -> np.ndarray:
-        positions, types = xs
-        return positions[offset:] + types[0]
+        return xs[0][offset:] if m.token_types else xs[0][offset:] + xs[1][0]
 
     return to_ours
 
 
-def _bert_positions_out(m: ModelConfig, x: np.ndarray) -> Arrays:
-    return [x, np.zeros((BERT_TYPES, x.shape[1]), x.dtype)]
+def _bert_positions_out(offset: int) -> Callable[[ModelConfig, np.ndarray], Arrays]:
+    def to_hf(m: ModelConfig, x: np.ndarray) -> Arrays:
+        positions = np.concatenate([np.zeros((offset, x.shape[1]), x.dtype), x])
+        return [positions] if m.token_types else [positions, np.zeros((1, x.shape[1]), x.dtype)]
+
+    return to_hf
 
 
 def _bert_layout(prefix: str, head: str, head_norm: str, offset: int) -> Layout:
@@ -1217,11 +1221,19 @@ def _bert_layout(prefix: str, head: str, head_norm: str, offset: int) -> Layout:
             Rule("embed", (e + "word_embeddings.weight",), _pad_vocab, _vocab_rows),
             Rule(
                 "pos_embed",
+                (e + "position_embeddings.weight",),
+                _bert_positions_in(offset),
+                _bert_positions_out(offset),
+                when=lambda m: m.token_types > 0,
+            ),
+            Rule(  # one token type: its row joins the positions
+                "pos_embed",
                 (e + "position_embeddings.weight", e + "token_type_embeddings.weight"),
                 _bert_positions_in(offset),
-                _bert_positions_out,
+                _bert_positions_out(offset),
                 adds=True,
             ),
+            Rule("type_embed", (e + "token_type_embeddings.weight",)),
             Rule("embed_norm/scale", (e + "LayerNorm.weight",)),
             Rule("embed_norm/bias", (e + "LayerNorm.bias",)),
             Rule("blocks/attn/qkv", tuple(b + f"attention.self.{p}.weight" for p in qkv), _qkv_in, _qkv_out),

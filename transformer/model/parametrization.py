@@ -104,6 +104,7 @@ RULES: dict[str, Scaling] = {
     "embed": INPUT,
     "pos_embed": INPUT,
     "encoder_pos_embed": INPUT,
+    "type_embed": INPUT,
     # t5_relative's bias tables [buckets, heads]: a one-hot readout of the bucket, no width in it
     "rel_bias": VECTOR,
     "encoder_rel_bias": VECTOR,

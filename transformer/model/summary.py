@@ -46,6 +46,7 @@ def count_params(cfg: ModelConfig) -> int:
     total += n_moe * ((D + cfg.router_bias) * cfg.n_experts + experts - ffn)
     table = positions_for(cfg).table_shape
     total += math.prod(table) * (1 + cfg.encoder_positions) if table is not None else 0
+    total += cfg.token_types * D
     total += norm if cfg.final_norm else 0
     total += norm * (1 + (cfg.arch == "encoder_decoder")) if cfg.embedding_norm else 0
     total += D * D + D * cfg.mlm_head_bias + norm if cfg.mlm_head else 0
@@ -57,11 +58,11 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:
-    """`count_params` less the token embedding, an untied output head and a learned position table:
-    the size scaling laws count (Kaplan et al. 2020), which at this framework's CPU sizes differs
-    from the total by the embedding table's V*D, often the larger part."""
+    """`count_params` less the token (and token type) embeddings, an untied output head and a
+    learned position table: the size scaling laws count (Kaplan et al. 2020), which at this
+    framework's CPU sizes differs from the total by the embedding table's V*D, often the larger part."""
     table = positions_for(cfg).table_shape
-    tables = cfg.padded_vocab * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    tables = (cfg.padded_vocab * (1 if cfg.tie_embeddings else 2) + cfg.token_types) * cfg.d_model
     return count_params(cfg) - tables - (math.prod(table) * (1 + cfg.encoder_positions) if table is not None else 0)
 
 
@@ -92,7 +93,7 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
 
 def _component(path: tuple) -> str:
     names = [str(p) for p in path]
-    if names[0] == "embed":
+    if names[0] in ("embed", "type_embed"):
         return "embedding"
     if names[0] in ("pos_embed", "encoder_pos_embed", "rel_bias", "encoder_rel_bias"):
         return "positions"

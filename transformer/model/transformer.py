@@ -436,14 +436,27 @@ class Transformer(nnx.Module):
             if cfg.encoder_positions and table is not None
             else None
         )
+        # model.token_types: a row per type (drawn after the rest)
+        types = cfg.token_types
+        self.type_embed = normal_param(rngs, (types, D), (None, "embed"), scales.embedding, cfg) if types else None
 
-    def embed_tokens(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, encoder: bool = False) -> jax.Array:
-        """Token embeddings [B, T, D] in the compute dtype, plus what the position scheme adds (from the
-        encoder's own table for an encoder-decoder's `encoder` under `model.encoder_positions`), then
-        the stack's embedding norm (`model.embedding_norm`; the `encoder` has its own)."""
+    def embed_tokens(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        encoder: bool = False,
+        token_types_BxT: jax.Array | None = None,
+    ) -> jax.Array:
+        """Token embeddings [B, T, D] in the compute dtype, plus each token's type's (`model.token_types`;
+        type 0 where none are given), plus what the position scheme adds (from the encoder's own table
+        for an encoder-decoder's `encoder` under `model.encoder_positions`), then the stack's embedding
+        norm (`model.embedding_norm`; the `encoder` has its own)."""
         x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
         if self.cfg.embed_scale:  # sqrt(D) in the compute dtype, as Gemma's normalizer
             x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(self.cfg.d_model), x_BxTxD.dtype)
+        if self.type_embed is not None:  # before the positions, as BERT adds them
+            types_BxT = jnp.zeros_like(tokens_BxT) if token_types_BxT is None else token_types_BxT
+            x_BxTxD = x_BxTxD + jnp.take(self.type_embed[...], types_BxT, axis=0).astype(x_BxTxD.dtype)
         table = self.encoder_pos_embed if encoder and self.encoder_pos_embed is not None else self.pos_embed
         table_PxD = None if table is None else table[...]
         x_BxTxD = self.positions.add_to_embeddings(x_BxTxD, positions_BxT, table_PxD)
@@ -708,6 +721,7 @@ class Transformer(nnx.Module):
         encoder_tokens_BxS: jax.Array | None = None,
         encoder_positions_BxS: jax.Array | None = None,
         encoder_segment_ids_BxS: jax.Array | None = None,
+        token_types_BxT: jax.Array | None = None,
     ) -> tuple[jax.Array, Stats]:
         """(the last hidden states [B, T, D], before the output projection, what the step reads
         besides them: the routing terms of the MoE layers, each of `moe.STEP_METRICS` reduced over
@@ -721,7 +735,8 @@ class Transformer(nnx.Module):
         key: dropout randomness; None runs deterministically (evaluation);
         encoder_*_BxS: an encoder-decoder's input (required there, refused elsewhere), its positions
         (default 0..S-1) and segment ids; decoder position t cross-attends to encoder position s iff
-        their segment ids are equal when both are given, else to every encoder position.
+        their segment ids are equal when both are given, else to every encoder position;
+        token_types_BxT: each token's type under model.token_types (BERT's segment ids; default 0).
         """
         if positions_BxT is None:
             positions_BxT = _default_positions(tokens_BxT)
@@ -729,7 +744,8 @@ class Transformer(nnx.Module):
         if key is not None:
             embed_key, block_key = jax.random.split(key)
         memory, _ = self._memory(encoder_tokens_BxS, encoder_positions_BxS, encoder_segment_ids_BxS, key)
-        x_BxTxD = dropout(self.embed_tokens(tokens_BxT, positions_BxT), self.cfg.dropout, embed_key)
+        x_BxTxD = self.embed_tokens(tokens_BxT, positions_BxT, token_types_BxT=token_types_BxT)
+        x_BxTxD = dropout(x_BxTxD, self.cfg.dropout, embed_key)
         x_BxTxD, stats = self.run_blocks(x_BxTxD, positions_BxT, segment_ids_BxT, block_key, memory=memory)
         terms = {k: over(stats[f"layer_{k}"]) for k, over in STEP_METRICS.items() if f"layer_{k}" in stats}
         if self.cfg.router_bias_rate:  # each MoE layer's load of each expert, [n_moe, E], for the balancing

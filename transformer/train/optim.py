@@ -17,7 +17,7 @@ from transformer.train.soap import scale_by_soap
 # Norm gains and biases are never decayed: pulling them toward zero shrinks nothing useful.
 # router_bias: no gradient reaches it, and no decay may move it (model/moe.py)
 NO_DECAY_NAMES = ("scale", "bias", "b_in", "b_out", "qkv_bias", "out_bias", "router_bias")
-EMBEDDING_NAMES = ("embed", "pos_embed")
+EMBEDDING_NAMES = ("embed", "pos_embed", "type_embed")
 
 
 def schedule(cfg: OptimConfig, total_steps: int):
