@@ -316,39 +316,41 @@ def _over_groups(
 def _first_apart(
     cfg: ModelConfig, first: BlockStep, step: BlockStep, state: nnx.State, x_BxTxD: jax.Array, keys_L
 ) -> tuple[jax.Array, Stats]:
-    """The first layer by `first` (model.first_attn_norm=false), the others by `step`, each part
-    scanned (or unrolled) as a stack of its own."""
-    windows, runs = cfg.layer_windows, [slice(0, 1), slice(1, cfg.n_layers)]
-    per_run = []
-    for run, run_step in zip(runs, (first, step)):
-        if run.start == run.stop:  # a one-layer model
-            continue
-        state_run = jax.tree.map(lambda a, run=run: a[run], state)
-        keys = None if keys_L is None else keys_L[run]
-        x_BxTxD, stats = _over_layers(cfg, run_step, x_BxTxD, state_run, keys, windows[run])
-        per_run.append(stats)
-    return x_BxTxD, {k: jnp.concatenate([s[k] for s in per_run]) for k in per_run[0]}
+    """The first layer by `first` (model.first_attn_norm=false), the others by `step`."""
+    runs = [(first, state, slice(0, 1), slice(0, 1)), (step, state, slice(1, cfg.n_layers), slice(1, cfg.n_layers))]
+    return _in_turn(cfg, runs, x_BxTxD, keys_L)
 
 
 def _over_runs(
     cfg: ModelConfig, steps: dict[str, BlockStep], states: dict[str, nnx.State], x_BxTxD: jax.Array, keys_L
 ) -> tuple[jax.Array, Stats]:
-    """Dense layers first, then MoE layers (`moe_first_dense`): each run of layers of one stack in
-    turn, scanned (or unrolled) as a stack of its own."""
-    slots, windows = layer_slots(cfg), cfg.layer_windows
-    per_run, start = [], 0
+    """Dense layers first, then MoE layers (`moe_first_dense`): each run of layers of one stack."""
+    slots, runs, start = layer_slots(cfg), [], 0
     while start < len(slots):
         stack, first = slots[start]
         end = start + 1
         while end < len(slots) and slots[end][0] == stack:
             end += 1
-        run = slice(first, first + end - start)
-        state = jax.tree.map(lambda a, run=run: a[run], states[stack])
-        keys = None if keys_L is None else keys_L[start:end]
-        x_BxTxD, stats = _over_layers(cfg, steps[stack], x_BxTxD, state, keys, windows[start:end])
-        per_run.append(stats)
+        runs.append((steps[stack], states[stack], slice(first, first + end - start), slice(start, end)))
         start = end
-    names = dict.fromkeys(k for stats in per_run for k in stats)  # a MoE statistic over the MoE layers
+    return _in_turn(cfg, runs, x_BxTxD, keys_L)
+
+
+def _in_turn(
+    cfg: ModelConfig, runs: list[tuple[BlockStep, nnx.State, slice, slice]], x_BxTxD: jax.Array, keys_L
+) -> tuple[jax.Array, Stats]:
+    """Runs of layers in turn, each (its step, its stack, its layers in the stack, in the model)
+    scanned (or unrolled) as a stack of its own; each statistic over the layers that have it (a MoE
+    one over the MoE layers)."""
+    per_run = []
+    for step, state, in_stack, in_model in runs:
+        if in_model.start == in_model.stop:  # an empty run: a one-layer model's rest
+            continue
+        state_run = jax.tree.map(lambda a, rows=in_stack: a[rows], state)
+        keys = None if keys_L is None else keys_L[in_model]
+        x_BxTxD, stats = _over_layers(cfg, step, x_BxTxD, state_run, keys, cfg.layer_windows[in_model])
+        per_run.append(stats)
+    names = dict.fromkeys(k for stats in per_run for k in stats)
     return x_BxTxD, {k: jnp.concatenate([s[k] for s in per_run if k in s]) for k in names}
 
 
