@@ -21,8 +21,9 @@ Dispatch, decided in `MoE.__call__`:
 - capacity (`capacity_factor` set): each row (sequence) is a group; an expert takes at most
   X = ceil(factor * T * K / E) of the row's assignments, first choices before second choices, in
   token order (GShard/Switch). An assignment beyond X is dropped: it adds nothing, so a token whose
-  every assignment is dropped passes through on the residual stream. Dense einsums over one-hot
-  dispatch and combine tensors (B x T x E x X), which shard like everything else.
+  every assignment is dropped passes through on the residual stream. Each slot gathers its token
+  and each token its slots' outputs (`capacity_slots`): no one-hot dispatch or combine tensor
+  (B x T x E x X) is made, whose einsums cost as much as the experts at small widths.
 - dropless (`capacity_factor: null`): every assignment is computed. The B*T*K assignments are
   sorted by expert and multiplied with `jax.lax.ragged_dot`, which takes one group per expert.
   Evaluation and generation always run dropless (`ModelConfig.at_inference`): a capacity is
@@ -71,19 +72,17 @@ def capacity(cfg: ModelConfig, T: int) -> int:
     return min(T, math.ceil(cfg.capacity_factor * T * cfg.top_k / cfg.n_experts))
 
 
-def capacity_dispatch(expert_BxTxK: jax.Array, gate_BxTxK: jax.Array, E: int, X: int):
-    """(dispatch, combine) [B, T, E, X] and the kept mask [B, T, K]: assignment (t, k) takes slot x of
-    its expert when x < X assignments are ahead of it (every first choice before any second)."""
+def capacity_slots(expert_BxTxK: jax.Array, E: int, X: int) -> jax.Array:
+    """Each assignment's slot [B, T, K] in its row's E x X expert slots, flattened as e * X + x:
+    assignment (t, k) takes slot x of its expert when x < X assignments are ahead of it (every first
+    choice before any second); a dropped one gets E * X, a slot past them all."""
     B, T, K = expert_BxTxK.shape
-    onehot_BxKxTxE = jax.nn.one_hot(expert_BxTxK.swapaxes(1, 2), E, dtype=jnp.int32)
+    expert_BxKxT = expert_BxTxK.swapaxes(1, 2)
+    onehot_BxKxTxE = jax.nn.one_hot(expert_BxKxT, E, dtype=jnp.int32)
     ahead = jnp.cumsum(onehot_BxKxTxE.reshape(B, K * T, E), axis=1).reshape(B, K, T, E) - onehot_BxKxTxE
     position_BxKxT = jnp.sum(ahead * onehot_BxKxTxE, axis=-1)
-    kept_BxKxT = position_BxKxT < X
-    kept_BxKxTxE = onehot_BxKxTxE * kept_BxKxT[..., None]
-    slot_BxKxTxExX = kept_BxKxTxE[..., None] * jax.nn.one_hot(position_BxKxT, X)[:, :, :, None, :]
-    dispatch_BxTxExX = jnp.sum(slot_BxKxTxExX, axis=1)
-    combine_BxTxExX = jnp.einsum("BKTEX,BTK->BTEX", slot_BxKxTxExX, gate_BxTxK)
-    return dispatch_BxTxExX, combine_BxTxExX, kept_BxKxT.swapaxes(1, 2)
+    slot_BxKxT = jnp.where(position_BxKxT < X, expert_BxKxT * X + position_BxKxT, E * X)
+    return slot_BxKxT.swapaxes(1, 2)
 
 
 def routing_losses(r: Routing, E: int) -> dict[str, jax.Array]:
@@ -187,15 +186,25 @@ class MoE(nnx.Module):
         return jnp.einsum("EMF,EFD->EMD", h_ExMxF, self.w_out[...].astype(x_ExMxD.dtype))
 
     def with_capacity(self, x_BxTxD: jax.Array, r: Routing) -> tuple[jax.Array, jax.Array]:
-        """(output, kept mask [B, T, K]) with at most `capacity` assignments per expert and row."""
+        """(output, kept mask [B, T, K]) with at most `capacity` assignments per expert and row: each
+        slot gathers its token, and each token gathers its slots' outputs (a dropped assignment's
+        slot is the zero row past them all), so no one-hot dispatch or combine tensor is made."""
         B, T, D = x_BxTxD.shape
         E, X = self.cfg.n_experts, capacity(self.cfg, T)
-        dispatch_BxTxExX, combine_BxTxExX, kept_BxTxK = capacity_dispatch(r.expert_BxTxK, r.gate_BxTxK, E, X)
-        dtype = x_BxTxD.dtype
-        x_BxExXxD = jnp.einsum("BTEX,BTD->BEXD", dispatch_BxTxExX.astype(dtype), x_BxTxD)
-        x_ExMxD = x_BxExXxD.swapaxes(0, 1).reshape(E, B * X, D)
-        y_BxExXxD = self.experts(x_ExMxD).reshape(E, B, X, D).swapaxes(0, 1)
-        return jnp.einsum("BTEX,BEXD->BTD", combine_BxTxExX.astype(dtype), y_BxExXxD), kept_BxTxK
+        slot_BxTxK = capacity_slots(r.expert_BxTxK, E, X)
+        K = slot_BxTxK.shape[-1]
+        # which token fills each slot (T, a zero row, where none does; the past-the-end slot is dropped)
+        tokens_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], (B, T, K))
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, T, K))
+        token_BxS = jnp.full((B, E * X + 1), T, jnp.int32).at[rows, slot_BxTxK].set(tokens_BxT)[:, : E * X]
+        padded_BxTxD = jnp.concatenate([x_BxTxD, jnp.zeros((B, 1, D), x_BxTxD.dtype)], axis=1)
+        x_BxSxD = jnp.take_along_axis(padded_BxTxD, token_BxS[..., None], axis=1)
+        x_ExMxD = x_BxSxD.reshape(B, E, X, D).swapaxes(0, 1).reshape(E, B * X, D)
+        y_BxSxD = self.experts(x_ExMxD).reshape(E, B, X, D).swapaxes(0, 1).reshape(B, E * X, D)
+        y_BxSxD = jnp.concatenate([y_BxSxD, jnp.zeros((B, 1, D), y_BxSxD.dtype)], axis=1)
+        y_BxTxKxD = jnp.take_along_axis(y_BxSxD, slot_BxTxK.reshape(B, T * K)[..., None], axis=1).reshape(B, T, K, D)
+        out_BxTxD = jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, r.gate_BxTxK.astype(x_BxTxD.dtype))
+        return out_BxTxD, slot_BxTxK < E * X
 
     def dropless(self, x_BxTxD: jax.Array, r: Routing) -> jax.Array:
         """Every assignment computed: assignments sorted by expert, one ragged matmul group each."""
