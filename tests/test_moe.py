@@ -479,3 +479,18 @@ def test_the_balancing_rate_needs_the_choice_bias():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.n_experts=4", "model.router_bias_rate=0.001"])
     assert e.value.key == "model.router_bias_rate"
+
+
+@pytest.mark.parametrize("loads", [(5, 0, 27, 0), (32, 0, 0, 0), (8, 8, 8, 8), (1, 2, 3, 26)])
+def test_expert_blocks_equal_ragged_dot_whatever_the_loads(loads):
+    """Dropless on a CPU: rows sorted by expert through their experts in blocks (padded runs, at
+    most M / b + E blocks) give ragged_dot's rows, empty experts and a single busy one included."""
+    from transformer.model.moe import expert_blocks
+
+    E, D, C = 4, 8, 6
+    sizes_E = jnp.asarray(loads, jnp.int32)
+    expert_M = jnp.repeat(jnp.arange(E), sizes_E, total_repeat_length=sum(loads))
+    x_MxD = jax.random.normal(jax.random.key(0), (sum(loads), D))
+    w_ExDxC = jax.random.normal(jax.random.key(1), (E, D, C))
+    blocks = expert_blocks(x_MxD, sizes_E, expert_M, lambda x, w: jnp.einsum("NbD,NDC->NbC", x, w[0]), (w_ExDxC,))
+    np.testing.assert_allclose(blocks, jax.lax.ragged_dot(x_MxD, w_ExDxC, sizes_E), rtol=1e-6, atol=1e-6)
