@@ -11,7 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache for the whole suite, subprocesses included (they inherit the
 # environment): the many runs that train the same tiny configs then compile each program once. One
 # per kind of machine: a /tmp kept across machines held executables for another CPU. (A size limit
-# would make jax lock it, but then every write scans the whole directory: the suite ran 4x slower.)
+# would make jax lock it, but then every write scans the whole directory: the suite slowed ~4x.)
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"transformer-tests-xla-cache-{machine_key()}")
 )
