@@ -428,6 +428,9 @@ def perturbed(model, seed: int):
     return model
 
 
+MODERNBERT_KIND = dict(
+    arch="encoder", n_kv_heads=4, norm="layernorm", embedding_norm=True, first_attn_norm=False, mlm_head=True
+)
 OURS = {  # exportable kinds of this framework's model -> the family they export as
     "llama": dict(),
     "llama-geglu-mha-untied": dict(ffn="geglu", n_kv_heads=4, tie_embeddings=False),
@@ -491,16 +494,11 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         norm_eps=1e-12,
         token_types=2,
     ),
-    "modernbert": dict(
-        arch="encoder",
-        norm="layernorm",
+    "modernbert": MODERNBERT_KIND
+    | dict(
         norm_bias=False,
         norm_eps=1e-5,
-        embedding_norm=True,
-        first_attn_norm=False,
         ffn="geglu_exact",
-        n_kv_heads=4,
-        mlm_head=True,
         mlm_head_bias=False,
         output_bias=True,
         n_layers=3,
@@ -509,16 +507,7 @@ OURS = {  # exportable kinds of this framework's model -> the family they export
         rope_theta=160000.0,
         rope_local_theta=10.0,
     ),
-    "modernbert-biases-untied": dict(
-        arch="encoder",
-        norm="layernorm",
-        embedding_norm=True,
-        first_attn_norm=False,
-        ffn="geglu",
-        n_kv_heads=4,
-        mlm_head=True,
-        tie_embeddings=False,
-    ),
+    "modernbert-biases-untied": MODERNBERT_KIND | dict(ffn="geglu", tie_embeddings=False),
     "bart": dict(
         arch="encoder_decoder",
         n_encoder_layers=3,

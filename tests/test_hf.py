@@ -158,6 +158,21 @@ def test_import_then_export_gives_byte_identical_tensors(family, tmp_path):
     assert hf.model_config(tmp_path) == m
 
 
+BERT_KIND = dict(
+    arch="encoder",
+    position="learned",
+    norm="layernorm",
+    norm_position="post",
+    embedding_norm=True,
+    ffn="gelu_exact",
+    use_bias=True,
+    n_kv_heads=4,
+    mlm_head=True,
+    output_bias=True,
+)
+MODERNBERT_KIND = dict(
+    arch="encoder", n_kv_heads=4, norm="layernorm", embedding_norm=True, first_attn_norm=False, mlm_head=True
+)
 # this framework's kinds of model that have an HF equivalent, and the family each exports as
 EXPORTABLE = {
     "llama": dict(),
@@ -183,46 +198,18 @@ EXPORTABLE = {
     "gemma3_text": dict(
         norm_offset=True, embed_scale=True, norm_position="sandwich", qk_norm=True, window=4, rope_local_theta=100.0
     ),
-    "bert": dict(
-        arch="encoder",
-        position="learned",
-        norm="layernorm",
-        norm_position="post",
-        embedding_norm=True,
-        ffn="gelu_exact",
-        use_bias=True,
-        n_kv_heads=4,
-        mlm_head=True,
-        output_bias=True,
-    ),
-    "bert-token-types": dict(
-        arch="encoder",
-        position="learned",
-        norm="layernorm",
-        norm_position="post",
-        embedding_norm=True,
-        ffn="gelu_exact",
-        use_bias=True,
-        n_kv_heads=4,
-        mlm_head=True,
-        output_bias=True,
-        token_types=3,
-    ),
+    "bert": BERT_KIND,
+    "bert-token-types": BERT_KIND | dict(token_types=3),
     "mixtral": dict(n_experts=4, top_k=2, window=5),
     "qwen2_moe": dict(
         n_experts=4, top_k=2, moe_every=2, n_shared_experts=1, shared_expert_gate=True, qkv_bias=True, moe_d_ff=24
     ),
     "qwen3_moe": dict(n_experts=4, top_k=1, qk_norm=True, renormalize_gates=True, moe_aux_loss=0.1),
     "qwen3_moe-unnormalised": dict(n_experts=4, top_k=2, qk_norm=True, renormalize_gates=False),
-    "modernbert": dict(
-        arch="encoder",
-        n_kv_heads=4,
-        norm="layernorm",
+    "modernbert": MODERNBERT_KIND
+    | dict(
         norm_bias=False,
-        embedding_norm=True,
-        first_attn_norm=False,
         ffn="geglu_exact",
-        mlm_head=True,
         mlm_head_bias=False,
         output_bias=True,
         n_layers=3,
@@ -230,15 +217,7 @@ EXPORTABLE = {
         attention_pattern=("global", "local", "local"),
         rope_local_theta=10.0,
     ),
-    "modernbert-biases-untied": dict(
-        arch="encoder",
-        n_kv_heads=4,
-        norm="layernorm",
-        embedding_norm=True,
-        first_attn_norm=False,
-        mlm_head=True,
-        tie_embeddings=False,
-    ),
+    "modernbert-biases-untied": MODERNBERT_KIND | dict(tie_embeddings=False),
     "deepseek_v2-dense": dict(attention="mla", n_kv_heads=None, q_lora_rank=16),
     "deepseek_v2": dict(
         attention="mla",

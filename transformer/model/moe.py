@@ -13,9 +13,9 @@ expert; V3: by its two best, biased). With top_k > 1 the k gates are renormalise
 (`renormalize_gates`; false: the scores as they are, Qwen-MoE's `norm_topk_prob: false`); with top-1
 the gate is the score itself (Switch), because a renormalised single gate is always 1 and the router
 would learn only from the balancing loss. Then the gates times `routed_scale` (DeepSeek's
-routed_scaling_factor). Under `router_bias_rate` the trainer moves the choice bias toward balance after
-every update (`balance_router_bias`: aux-loss-free balancing). Shared experts add their output, times sigmoid(x . w) per token under
-`shared_expert_gate` (Qwen2-MoE).
+routed_scaling_factor). Under `router_bias_rate` the trainer moves the choice bias toward balance
+after every update (`balance_router_bias`: aux-loss-free balancing). Shared experts add their output,
+times sigmoid(x . w) per token under `shared_expert_gate` (Qwen2-MoE).
 
 Dispatch, decided in `MoE.__call__`:
 - capacity (`capacity_factor` set): each row (sequence) is a group; an expert takes at most
@@ -197,14 +197,12 @@ class MoE(nnx.Module):
 
     def experts(self, x_ExMxD: jax.Array) -> jax.Array:
         """Each expert's FFN on its own rows: [E, M, D] -> [E, M, D]."""
-        act = ACTIVATIONS[self.cfg.ffn]
-        w_in = self.w_in[...].astype(x_ExMxD.dtype)
-        if self.cfg.gated_ffn:
-            h_ExMxCxF = jnp.einsum("EMD,EDCF->EMCF", x_ExMxD, w_in)
-            h_ExMxF = act(h_ExMxCxF[:, :, 0]) * h_ExMxCxF[:, :, 1]
-        else:
-            h_ExMxF = act(jnp.einsum("EMD,EDF->EMF", x_ExMxD, w_in))
-        return jnp.einsum("EMF,EFD->EMD", h_ExMxF, self.w_out[...].astype(x_ExMxD.dtype))
+        return self.ffn_rows(x_ExMxD, *self.expert_weights(x_ExMxD.dtype))
+
+    def expert_weights(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """(w_in [E, D, C] with a gated FFN's gate and up fused as C = 2F, gate first; w_out [E, F, D])."""
+        E, D = self.cfg.n_experts, self.cfg.d_model
+        return self.w_in[...].astype(dtype).reshape(E, D, -1), self.w_out[...].astype(dtype)
 
     def with_capacity(self, x_BxTxD: jax.Array, r: Routing) -> tuple[jax.Array, jax.Array]:
         """(output, kept mask [B, T, K]) with at most `capacity` assignments per expert and row: each
@@ -245,9 +243,7 @@ class MoE(nnx.Module):
         """Rows sorted by expert (`sizes_E` of each, `expert_M` each row's) through their experts'
         FFNs: `ragged_dot`, one group per expert; on a CPU in blocks instead (XLA:CPU computes a
         ragged_dot as E dense products over all the rows, E times the work)."""
-        cfg, dtype = self.cfg, x_MxD.dtype
-        E, D = cfg.n_experts, cfg.d_model
-        w_in, w_out = self.w_in[...].astype(dtype).reshape(E, D, -1), self.w_out[...].astype(dtype)
+        w_in, w_out = self.expert_weights(x_MxD.dtype)
         if jax.default_backend() == "cpu":
             return expert_blocks(x_MxD, sizes_E, expert_M, lambda x, w: self.ffn_rows(x, w[0], w[1]), (w_in, w_out))
         return self.ffn_rows(x_MxD, w_in, w_out, lambda x, w: jax.lax.ragged_dot(x, w, sizes_E))
