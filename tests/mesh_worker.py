@@ -3,12 +3,13 @@
 Run by tests/test_trainer.py in a subprocess, because the device count must be fixed before JAX starts:
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_worker.py CORPUS CACHE MESHES_JSON \
         [CONFIG [OVERRIDES_JSON]]
-    XLA_FLAGS=... python tests/mesh_worker.py --temporaries MESHES_JSON OVERRIDES_JSON
-The second form compiles the train step on each mesh (nothing runs) and prints the bytes of
-temporaries XLA plans per device.
+    XLA_FLAGS=... python tests/mesh_worker.py --compiled MESHES_JSON OVERRIDES_JSON
+The second form compiles the train step on each mesh (nothing runs) and prints, per device, the bytes
+of temporaries XLA plans, the flops it counts, and how many of each collective the program holds.
 """
 
 import json
+import re
 import sys
 
 import jax
@@ -72,19 +73,31 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
     print(json.dumps(results))
 
 
-def temporaries(meshes: list[dict], overrides: list[str]) -> None:
+COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
+
+
+def compiled(meshes: list[dict], overrides: list[str]) -> None:
     results = []
     for mesh_cfg in meshes:
         n = mesh_cfg.pop("devices")
         cfg = load_config(None, [*overrides, *(f"mesh.{k}={v}" for k, v in mesh_cfg.items())]).with_vocab(259)
         mesh = sharding.make_mesh(cfg, jax.devices()[:n])
-        compiled, _ = preflight.compile_step(Trainer(cfg, mesh), preflight.abstract_batch(cfg, mesh))
-        results.append({"mesh": dict(mesh.shape), "temporaries": compiled.memory_analysis().temp_size_in_bytes})
+        step, _ = preflight.compile_step(Trainer(cfg, mesh), preflight.abstract_batch(cfg, mesh))
+        text = step.as_text()
+        cost = step.cost_analysis()
+        results.append(
+            {
+                "mesh": dict(mesh.shape),
+                "temporaries": step.memory_analysis().temp_size_in_bytes,
+                "flops": (cost[0] if isinstance(cost, list) else cost)["flops"],
+                "collectives": {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in COLLECTIVES},
+            }
+        )
     print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--temporaries":
-        temporaries(json.loads(sys.argv[2]), json.loads(sys.argv[3]))
+    if sys.argv[1] == "--compiled":
+        compiled(json.loads(sys.argv[2]), json.loads(sys.argv[3]))
     else:
         main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

@@ -97,14 +97,45 @@ def test_fsdp_splits_activations_by_the_batch():
     overrides = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"]
     overrides += ["data.seq_len=64", "train.batch_size=16"]  # activations well above the weights
     meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "data": 1, "fsdp": 4}]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    worker = [str(ROOT / "tests" / "mesh_worker.py"), "--temporaries", json.dumps(meshes), json.dumps(overrides)]
-    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    one, data, fsdp = (r["temporaries"] for r in json.loads(out.stdout.strip().splitlines()[-1]))
+    one, data, fsdp = (r["temporaries"] for r in _compiled_steps(meshes, overrides))
     model = load_config(None, overrides).with_vocab(259).model
     assert fsdp - data <= 4 * count_params(model) / model.n_layers, (one, data, fsdp)
     assert fsdp < one / 2, (one, data, fsdp)
+
+
+@pytest.mark.slow
+def test_the_expert_axis_splits_the_work_and_moves_tokens_by_all_to_all():
+    """Expert parallelism: on an expert axis of 4 a device computes its own expert on every device's
+    tokens, and a quarter of the batch's rows elsewhere, so its step counts data=4's flops; the tokens
+    reach their experts by all-to-all, of which data=4 has none. (Before, the expert axis split the
+    weights only and every device computed the whole batch outside the experts: 2.6x data=4's flops.)"""
+    overrides = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_experts=4", "model.top_k=2"]
+    overrides += ["model.moe_d_ff=64", "data.seq_len=64", "train.batch_size=16"]
+    meshes = [
+        {"devices": 1},
+        {"devices": 4, "data": 4},
+        {"devices": 4, "expert": 4},
+        {"devices": 4, "data": 2, "expert": 2},
+    ]
+    one, data, *experts = _compiled_steps(meshes, overrides)
+    assert data["flops"] < 0.3 * one["flops"] and data["collectives"]["all-to-all"] == 0, (one, data)
+    for r in experts:
+        assert r["flops"] < 1.05 * data["flops"], (r, data)
+        assert r["collectives"]["all-to-all"] >= 4, r  # to the experts and back, in both passes
+    # dropless: each device sorts and computes its own rows (before, every device computed the whole
+    # batch's assignments on any mesh: 2.3x data=4's flops here)
+    one, data, expert = _compiled_steps(meshes[:3], [*overrides, "model.capacity_factor=null"])
+    assert data["flops"] < 0.3 * one["flops"] and expert["flops"] < 1.05 * data["flops"], (one, data, expert)
+
+
+def _compiled_steps(meshes: list[dict], overrides: list[str]) -> list[dict]:
+    """tests/mesh_worker.py --compiled on 4 fake CPU devices: the train step compiled on each mesh,
+    its temporaries, flops and collectives per device."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    worker = [str(ROOT / "tests" / "mesh_worker.py"), "--compiled", json.dumps(meshes), json.dumps(overrides)]
+    out = subprocess.run([sys.executable, *worker], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _same_losses_across_meshes(corpus, tmp_path, meshes: list[dict], config: str, extra: list[str] | None = None):
@@ -137,6 +168,16 @@ def test_mup_with_depth_scaling_and_experts_trains_to_the_same_losses_across_mes
     meshes += [{"devices": 4, "data": 2, "expert": 2}]
     config = "model:\n  parametrization: mup\n  mup_base_d_model: 32\n  mup_base_n_heads: 4\n"
     config += "  depth_scaling: complete_p\n  mup_base_n_layers: 1\n  n_experts: 2\n  moe_every: 2\n"
+    _same_losses_across_meshes(corpus, tmp_path, meshes, config)
+
+
+@pytest.mark.slow
+def test_dropless_experts_train_to_the_same_losses_across_meshes(corpus, tmp_path):
+    """Dropless dispatch sorts each device's rows by expert (`row_groups`): every mesh takes the
+    steps one device does, with the experts split over an expert axis or over fsdp x expert."""
+    meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "expert": 2}]
+    meshes += [{"devices": 4, "expert": 4}]
+    config = "model:\n  n_experts: 4\n  top_k: 2\n  moe_d_ff: 32\n  capacity_factor: null\n  moe_every: 2\n"
     _same_losses_across_meshes(corpus, tmp_path, meshes, config)
 
 

@@ -106,7 +106,7 @@ def training_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[str, i
     shards = sizes["fsdp"] * sizes["tensor"] * sizes["expert"]
     param_bytes = count_params(m) * jnp.dtype(m.param_dtype).itemsize // shards
     copies = 2 + (OPTIMIZER_COPIES[cfg.optim.name] if cfg.optim.name != "sgd" or cfg.optim.b1 else 0)
-    rows = max(1, train.batch_size // train.grad_accum // (sizes["data"] * sizes["fsdp"]))
+    rows = max(1, train.batch_size // train.grad_accum // (sizes["data"] * sizes["fsdp"] * sizes["expert"]))
     T = cfg.data.seq_len
     scores = (
         rows * max(1, m.n_heads // sizes["tensor"]) * T * T * 4 if m.attention_impl not in ("cudnn", "blocked") else 0

@@ -1,9 +1,12 @@
 """Devices: the mesh, and the one table that maps logical axis names to mesh axes.
 
 Model code only names axes (`embed`, `heads`, ...). This module alone decides where they live:
-the batch is split over `data` and `fsdp`, `fsdp` also shards parameters and optimiser state along
-`embed`, `tensor` shards heads and the FFN width (Megatron-style), and `expert` shards the experts of
-a mixture-of-experts FFN (expert parallelism; the batch is not split over it).
+the batch is split over `data`, `fsdp` and `expert`, `fsdp` also shards parameters and optimiser state
+along `embed`, `tensor` shards heads and the FFN width (Megatron-style), and `expert` shards the
+experts of a mixture-of-experts FFN: expert parallelism (GShard). Outside the MoE layers the expert
+axis is one more data-parallel axis; in them, the tokens routed to the experts are re-split from the
+batch's rows to the experts (`expert_rows`), which XLA compiles to an all-to-all over the expert axis
+each way, so a device computes its own experts on every device's tokens.
 """
 
 from __future__ import annotations
@@ -19,10 +22,15 @@ from transformer.config import Config, ConfigError, check_expert_split, check_te
 from transformer.model import Placer
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
+# the mesh axes the batch's rows are split over: all but tensor, whose devices share their rows
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axis (or axes); anything not listed is replicated.
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
+    # the rows of the tokens dispatched to the experts: the batch's split less the expert axis, which
+    # splits the experts there (model/moe.py places them so: the all-to-all)
+    "expert_rows": ("data", "fsdp"),
     "embed": "fsdp",
     "vocab": "tensor",
     "heads": "tensor",
@@ -50,12 +58,12 @@ def mesh_shape(cfg: Config, n_devices: int) -> dict[str, int]:
     check_tensor_split(cfg.model, sizes["tensor"])
     if sizes["expert"] > 1:
         check_expert_split(cfg.model, sizes["expert"])
-    batch_shards = sizes["data"] * sizes["fsdp"]
+    batch_shards = math.prod(sizes[a] for a in BATCH_AXES)
     if cfg.train.batch_size % (batch_shards * cfg.train.grad_accum):
         raise ConfigError(
             "train.batch_size",
-            f"{cfg.train.batch_size} is not divisible by data x fsdp x grad_accum = "
-            f"{sizes['data']} x {sizes['fsdp']} x {cfg.train.grad_accum}",
+            f"{cfg.train.batch_size} is not divisible by data x fsdp x expert x grad_accum = "
+            f"{sizes['data']} x {sizes['fsdp']} x {sizes['expert']} x {cfg.train.grad_accum}",
         )
     return sizes
 
@@ -93,7 +101,10 @@ def activation_placer(mesh: Mesh) -> Placer | None:
     mesh and no weight was gathered."""
     if mesh.size == 1:
         return None
-    return lambda x, axes: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes, x.shape, mesh)))
+    return Placer(
+        pin=lambda x, axes: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes, x.shape, mesh))),
+        row_groups=math.prod(mesh.shape[a] for a in BATCH_AXES),
+    )
 
 
 def state_shardings(state: nnx.State, mesh: Mesh):
@@ -110,9 +121,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Where a batch's arrays live: rows split over BATCH_AXES."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
 def global_batch(local: dict[str, np.ndarray], mesh: Mesh, global_rows: int) -> dict[str, jax.Array]:
     """Global arrays from this process's rows (processes hold consecutive row blocks, in order)."""
-    sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    sharding = batch_sharding(mesh)
     return {
         k: jax.make_array_from_process_local_data(sharding, v, (global_rows,) + v.shape[1:]) for k, v in local.items()
     }

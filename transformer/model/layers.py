@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,14 @@ from transformer.model.parametrization import init_factor
 
 Axes = tuple[str | None, ...]  # a parameter's logical axis names, one per dimension (None: replicated)
 
-# How the step being traced pins an activation with logical axes to devices (see `placing`).
-Placer = Callable[[jax.Array, Axes], jax.Array]
+
+class Placer(NamedTuple):
+    """How the step being traced lays activations on its devices (see `placing`)."""
+
+    pin: Callable[[jax.Array, Axes], jax.Array]  # x, whose dimensions have these logical axes, placed
+    row_groups: int  # the parts the batch's rows are split into: each device's rows are one part
+
+
 _placer: contextvars.ContextVar[Placer | None] = contextvars.ContextVar("placer", default=None)
 
 
@@ -37,7 +44,15 @@ def place(x: jax.Array, axes: Axes) -> jax.Array:
     """`x`, whose dimensions have these logical axes, where the step being traced wants it (the
     identity outside one: a single device, the model's own tests)."""
     placer = _placer.get()
-    return x if placer is None else placer(x, axes)
+    return x if placer is None else placer.pin(x, axes)
+
+
+def row_groups() -> int:
+    """How many parts the step being traced splits the batch's rows into (1 outside one). Work that
+    sorts or gathers across rows (dropless MoE dispatch) runs within each part, on its own device;
+    across the whole batch it would gather every row onto every device and repeat the work there."""
+    placer = _placer.get()
+    return 1 if placer is None else placer.row_groups
 
 
 @contextlib.contextmanager

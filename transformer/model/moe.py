@@ -23,9 +23,12 @@ Dispatch, decided in `MoE.__call__`:
   token order (GShard/Switch). An assignment beyond X is dropped: it adds nothing, so a token whose
   every assignment is dropped passes through on the residual stream. Each slot gathers its token
   and each token its slots' outputs (`capacity_slots`): no one-hot dispatch or combine tensor
-  (B x T x E x X) is made, whose einsums cost as much as the experts at small widths.
-- dropless (`capacity_factor: null`): every assignment is computed. The B*T*K assignments are
-  sorted by expert and multiplied with `jax.lax.ragged_dot`, which takes one group per expert.
+  (B x T x E x X) is made, whose einsums cost as much as the experts at small widths. The slots are
+  laid out by row, then by expert (ROW_MAJOR, EXPERT_MAJOR): on a mesh with an expert axis that is
+  an all-to-all each way, and a device computes its own experts on every device's tokens (GShard).
+- dropless (`capacity_factor: null`): every assignment is computed. A device's rows' assignments
+  (`row_groups`) are sorted by expert and multiplied with `jax.lax.ragged_dot`, which takes one
+  group per expert (on a CPU, in blocks); each device gathers the experts' weights it lacks.
   Evaluation and generation always run dropless (`ModelConfig.at_inference`): a capacity is
   training's, as no cached decoding can see the tokens a drop depends on.
 
@@ -45,8 +48,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import ModelConfig
-from transformer.model.layers import ACTIVATIONS, FFN, InitScales, const_param, normal_param
+from transformer.model.layers import ACTIVATIONS, FFN, InitScales, const_param, normal_param, place, row_groups
 from transformer.model.parametrization import output_multiplier
+
+# The expert slots [B, E, X, D] as the batch's rows split them, and [E, B, X, D] as the experts do (the
+# rows then split over the batch's other axes): placed so in turn, the move between them is an
+# all-to-all over the expert axis where one splits the experts (sharding.RULES), and nothing elsewhere.
+ROW_MAJOR = ("batch", None, None, None)
+EXPERT_MAJOR = ("experts", "expert_rows", None, None)
 
 # Step metrics, and how each reduces over the MoE layers the per-layer value `layer_<name>` every MoE
 # layer sows on every forward pass (the busiest expert of any layer: a collapse anywhere shows). The
@@ -217,35 +226,61 @@ class MoE(nnx.Module):
         rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, T, K))
         token_BxS = jnp.full((B, E * X + 1), T, jnp.int32).at[rows, slot_BxTxK].set(tokens_BxT)[:, : E * X]
         padded_BxTxD = jnp.concatenate([x_BxTxD, jnp.zeros((B, 1, D), x_BxTxD.dtype)], axis=1)
-        x_BxSxD = jnp.take_along_axis(padded_BxTxD, token_BxS[..., None], axis=1)
-        x_ExMxD = x_BxSxD.reshape(B, E, X, D).swapaxes(0, 1).reshape(E, B * X, D)
-        y_BxSxD = self.experts(x_ExMxD).reshape(E, B, X, D).swapaxes(0, 1).reshape(B, E * X, D)
+        x_BxExXxD = place(
+            jnp.take_along_axis(padded_BxTxD, token_BxS[..., None], axis=1).reshape(B, E, X, D), ROW_MAJOR
+        )
+        x_ExBxXxD = place(x_BxExXxD.swapaxes(0, 1), EXPERT_MAJOR)
+        y_ExBxXxD = place(self.experts(x_ExBxXxD.reshape(E, B * X, D)).reshape(E, B, X, D), EXPERT_MAJOR)
+        y_BxSxD = place(y_ExBxXxD.swapaxes(0, 1), ROW_MAJOR).reshape(B, E * X, D)
         y_BxSxD = jnp.concatenate([y_BxSxD, jnp.zeros((B, 1, D), y_BxSxD.dtype)], axis=1)
         y_BxTxKxD = jnp.take_along_axis(y_BxSxD, slot_BxTxK.reshape(B, T * K)[..., None], axis=1).reshape(B, T, K, D)
         out_BxTxD = jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, r.gate_BxTxK.astype(x_BxTxD.dtype))
         return out_BxTxD, slot_BxTxK < E * X
 
     def dropless(self, x_BxTxD: jax.Array, r: Routing) -> jax.Array:
-        """Every assignment computed: assignments sorted by expert, each expert's run of them through
-        its FFN (`grouped`), then back in token order, weighed by their gates."""
-        cfg = self.cfg
+        """Every assignment computed (`dropless_rows`), within each of the batch's row groups
+        (`row_groups`: a device's rows are one), so no device sorts or computes another's rows; each
+        gathers the experts' weights it lacks, as fsdp gathers a layer's."""
+        B = x_BxTxD.shape[0]
+        G = math.gcd(row_groups(), B)
+        weights = self.expert_weights(x_BxTxD.dtype)
+        if G == 1:
+            return self.dropless_rows(x_BxTxD, r.expert_BxTxK, r.gate_BxTxK, weights)
+
+        def split(a: jax.Array) -> jax.Array:
+            return place(a.reshape(G, B // G, *a.shape[1:]), ("batch",) + (None,) * a.ndim)
+
+        # ragged_dot maps over groups only with its weights mapped too: the weights gathered whole (not
+        # left to XLA, which replicated and re-split them), then one copy per group, each its device's
+        whole = tuple(place(w, (None,) * w.ndim) for w in weights)
+        tiled = tuple(place(jnp.broadcast_to(w, (G, *w.shape)), ("batch",) + (None,) * w.ndim) for w in whole)
+        y = jax.vmap(self.dropless_rows)(split(x_BxTxD), split(r.expert_BxTxK), split(r.gate_BxTxK), tiled)
+        return y.reshape(x_BxTxD.shape)
+
+    def dropless_rows(
+        self, x_BxTxD: jax.Array, expert_BxTxK: jax.Array, gate_BxTxK: jax.Array, weights: tuple[jax.Array, ...]
+    ) -> jax.Array:
+        """The rows' assignments sorted by expert, each expert's run of them through its FFN
+        (`grouped`), then back in token order, weighed by their gates."""
         B, T, D = x_BxTxD.shape
-        E, K = cfg.n_experts, cfg.top_k
-        expert_M = r.expert_BxTxK.reshape(-1)
+        E, K = self.cfg.n_experts, self.cfg.top_k
+        expert_M = expert_BxTxK.reshape(-1)
         order_M = jnp.argsort(expert_M, stable=True)
         x_MxD = x_BxTxD.reshape(B * T, D)[order_M // K]
         sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
-        y_MxD = self.grouped(x_MxD, sizes_E, expert_M[order_M])
+        y_MxD = self.grouped(x_MxD, sizes_E, expert_M[order_M], weights)
         y_BxTxKxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(B, T, K, D)
-        return jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, r.gate_BxTxK.astype(x_BxTxD.dtype))
+        return jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, gate_BxTxK.astype(x_BxTxD.dtype))
 
-    def grouped(self, x_MxD: jax.Array, sizes_E: jax.Array, expert_M: jax.Array) -> jax.Array:
+    def grouped(
+        self, x_MxD: jax.Array, sizes_E: jax.Array, expert_M: jax.Array, weights: tuple[jax.Array, ...]
+    ) -> jax.Array:
         """Rows sorted by expert (`sizes_E` of each, `expert_M` each row's) through their experts'
-        FFNs: `ragged_dot`, one group per expert; on a CPU in blocks instead (XLA:CPU computes a
-        ragged_dot as E dense products over all the rows, E times the work)."""
-        w_in, w_out = self.expert_weights(x_MxD.dtype)
+        FFNs (`weights`: w_in, w_out): `ragged_dot`, one group per expert; on a CPU in blocks instead
+        (XLA:CPU computes a ragged_dot as E dense products over all the rows, E times the work)."""
         if jax.default_backend() == "cpu":
-            return expert_blocks(x_MxD, sizes_E, expert_M, lambda x, w: self.ffn_rows(x, w[0], w[1]), (w_in, w_out))
+            return expert_blocks(x_MxD, sizes_E, expert_M, lambda x, w: self.ffn_rows(x, w[0], w[1]), weights)
+        w_in, w_out = weights
         return self.ffn_rows(x_MxD, w_in, w_out, lambda x, w: jax.lax.ragged_dot(x, w, sizes_E))
 
     def ffn_rows(self, x: jax.Array, w_in: jax.Array, w_out: jax.Array, dot: Callable | None = None) -> jax.Array:

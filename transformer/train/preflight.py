@@ -151,7 +151,7 @@ def _tokenizer_vocab(cfg: Config) -> int:
 def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, local: dict[str, np.ndarray] | None = None) -> dict:
     """The global batch's shapes, dtypes and sharding: like this process's rows `local` (what the
     data gives), else as the data config makes them."""
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    batch_sharding = sharding.batch_sharding(mesh)
     if local is None:
         from transformer.data import example_batch
 

@@ -167,7 +167,7 @@ class Trainer:
         opt_shardings = _opt_shardings(self.tx, nnx.to_pure_dict(abstract), param_shardings, replicated)
         # a TrainState of shardings, not arrays
         self.state_shardings = TrainState(replicated, param_shardings, opt_shardings)  # type: ignore[arg-type]
-        batch_spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+        batch_spec = sharding.batch_sharding(mesh)
         self.init = jax.jit(self._init, out_shardings=self.state_shardings)
         self.train_step = jax.jit(
             self._train_step,
