@@ -484,7 +484,8 @@ def test_the_balancing_rate_needs_the_choice_bias():
 @pytest.mark.parametrize("loads", [(5, 0, 27, 0), (32, 0, 0, 0), (8, 8, 8, 8), (1, 2, 3, 26)])
 def test_expert_blocks_equal_ragged_dot_whatever_the_loads(loads):
     """Dropless on a CPU: rows sorted by expert through their experts in blocks (padded runs, at
-    most M / b + E blocks) give ragged_dot's rows, empty experts and a single busy one included."""
+    most M / b + E blocks) give ragged_dot's rows and gradients, empty experts and a single busy one
+    included."""
     from transformer.model.moe import expert_blocks
 
     E, D, C = 4, 8, 6
@@ -492,5 +493,51 @@ def test_expert_blocks_equal_ragged_dot_whatever_the_loads(loads):
     expert_M = jnp.repeat(jnp.arange(E), sizes_E, total_repeat_length=sum(loads))
     x_MxD = jax.random.normal(jax.random.key(0), (sum(loads), D))
     w_ExDxC = jax.random.normal(jax.random.key(1), (E, D, C))
-    blocks = expert_blocks(x_MxD, sizes_E, expert_M, lambda x, w: jnp.einsum("NbD,NDC->NbC", x, w[0]), (w_ExDxC,))
-    np.testing.assert_allclose(blocks, jax.lax.ragged_dot(x_MxD, w_ExDxC, sizes_E), rtol=1e-6, atol=1e-6)
+    probe_MxC = jax.random.normal(jax.random.key(2), (sum(loads), C))
+
+    def blocks(x, w):
+        return expert_blocks(x, sizes_E, expert_M, lambda x, w: jnp.einsum("NbD,NDC->NbC", x, w[0]), (w,))
+
+    def ragged(x, w):
+        return jax.lax.ragged_dot(x, w, sizes_E)
+
+    np.testing.assert_allclose(blocks(x_MxD, w_ExDxC), ragged(x_MxD, w_ExDxC), rtol=1e-6, atol=1e-6)
+
+    def probed(x, w, f):
+        return jnp.sum(f(x, w) * probe_MxC)
+
+    grads = [jax.grad(probed, (0, 1))(x_MxD, w_ExDxC, f) for f in (blocks, ragged)]
+    for ours, theirs in zip(*grads):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def every_expert_on_every_token(moe: MoE, x_BxTxD: jax.Array) -> jax.Array:
+    """The routed mixture without dispatch, differentiable: every expert's FFN on every token,
+    weighed by the token's gate for it (0 where not chosen)."""
+    r = moe.route(x_BxTxD)
+    B, T, D = x_BxTxD.shape
+    E = moe.cfg.n_experts
+    x_ExMxD = jnp.broadcast_to(x_BxTxD.reshape(1, B * T, D), (E, B * T, D))
+    y_ExBxTxD = moe.experts(x_ExMxD).reshape(E, B, T, D)
+    gate_BxTxE = jnp.einsum("BTKE,BTK->BTE", jax.nn.one_hot(r.expert_BxTxK, E), r.gate_BxTxK)
+    return jnp.einsum("EBTD,BTE->BTD", y_ExBxTxD, gate_BxTxE)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_dispatch_gradients_equal_every_expert_on_every_token(capacity_factor):
+    """The layer's gradients (input, router, experts' weights) through its dispatch equal those of
+    the mixture computed without one: dropless (rows sorted, in blocks) and capacity (slot gathers,
+    with a factor that drops nothing: X = T)."""
+    cfg = moe_cfg(top_k=2, capacity_factor=capacity_factor and 100.0)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(moe, nnx.Param)
+    x = jax.random.normal(jax.random.key(3), (2, 7, cfg.d_model))
+    probe = jax.random.normal(jax.random.key(4), x.shape)
+
+    def loss(p, x, fn):
+        return jnp.sum(fn(nnx.merge(graphdef, p), x) * probe)
+
+    ours = jax.grad(loss, (0, 1))(params, x, lambda m, x: run_moe(m, x)[0])
+    theirs = jax.grad(loss, (0, 1))(params, x, every_expert_on_every_token)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

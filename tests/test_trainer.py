@@ -442,7 +442,16 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process(corpus, tmp_path):
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ["mesh.data=2", "mesh.fsdp=2"],
+        # experts split across the processes: the all-to-all crosses them
+        ["mesh.data=2", "mesh.expert=2", "model.n_experts=2", "model.top_k=2", "model.moe_every=2"],
+    ],
+    ids=["data-fsdp", "data-expert"],
+)
+def test_two_processes_match_one_process(corpus, tmp_path, mesh):
     common = [
         f"data.source=files:{corpus}",
         f"data.cache_dir={tmp_path / 'cache'}",
@@ -456,8 +465,7 @@ def test_two_processes_match_one_process(corpus, tmp_path):
         "train.eval_every=8",
         "logging.every=1",
         "logging.progress=false",
-        "mesh.data=2",
-        "mesh.fsdp=2",
+        *mesh,
     ]
     flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     single = cli(*common, "--workdir", str(tmp_path / "one"), env=flags)
