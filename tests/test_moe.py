@@ -541,3 +541,20 @@ def test_dispatch_gradients_equal_every_expert_on_every_token(capacity_factor):
     theirs = jax.grad(loss, (0, 1))(params, x, every_expert_on_every_token)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_dropless_within_row_groups_equals_one_group(backend, monkeypatch):
+    """Dropless dispatch within each device's rows (`row_groups`, as a mesh's placer gives them)
+    computes what it does over the whole batch: in the CPU's blocks, and by ragged_dot (the other
+    backends'; vmapped over the groups with the weights tiled), which this test runs on the CPU."""
+    from transformer.model.layers import Placer, placing
+
+    cfg = moe_cfg(capacity_factor=None)
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    x = random_x(cfg, B=4)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    whole, _ = run_moe(moe, x)
+    with placing(Placer(pin=lambda x, axes: x, row_groups=2)):
+        grouped, _ = run_moe(moe, x)
+    np.testing.assert_allclose(grouped, whole, rtol=1e-6, atol=1e-6)
