@@ -1,12 +1,25 @@
 import itertools
 import json
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
 
+from xla_cache import machine_key
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the whole suite, subprocesses included (they inherit the
+# environment): the many runs that train the same tiny configs then compile each program once. One
+# per kind of machine: a /tmp kept across machines held executables for another CPU. (A size limit
+# would make jax lock it, but then every write scans the whole directory: the suite slowed ~4x.)
+# Without one, jax writes an entry in place, unlocked: two processes finishing the same program at
+# once can tear it. A cache per process was tried against the workers that crashed (a segfault in
+# libgcc_s's unwinder): they crashed without a shared cache too, and the suite took twice as long.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"transformer-tests-xla-cache-{machine_key()}")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import numpy as np
@@ -18,22 +31,6 @@ from transformer.config import ModelConfig
 from transformer.model import Transformer
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-# A persistent XLA compilation cache for this test process alone: the many tests that build a new
-# model or Trainer of the same tiny config then compile each program once. Never shared: jax writes an
-# entry in place and unlocked (without a size limit, and under one each write scans the whole cache),
-# so a process could load an entry another was still writing, or two were writing at once (a sweep's
-# parallel runs). Workers crashed so: an abort in get_executable_and_time, twice here; a CI run's worker
-# segfaulted at 96% and the run hung until its limit. Subprocesses compile afresh.
-_XLA_CACHE = tempfile.mkdtemp(prefix="transformer-tests-xla-cache-")
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def pytest_unconfigure(config):
-    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
-
 
 # The attention variants every model-level property is checked over.
 ATTENTION_VARIANTS = {
