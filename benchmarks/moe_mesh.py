@@ -11,7 +11,6 @@ experts. The model: 2 layers of width 64, 4 experts, top-2, T=64, B=16; capacity
 from __future__ import annotations
 
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from transformer.train.trainer import Trainer
 MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_experts=4", "model.top_k=2"]
 MODEL += ["model.moe_d_ff=64", "data.seq_len=64", "train.batch_size=16"]
 MESHES = [{}, {"data": 4}, {"expert": 4}, {"data": 2, "expert": 2}, {"fsdp": 2, "expert": 2}]
-COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
 
 
 def step_counts(overrides: list[str], mesh_axes: dict[str, int]) -> tuple[float, dict[str, int]]:
@@ -36,10 +34,7 @@ def step_counts(overrides: list[str], mesh_axes: dict[str, int]) -> tuple[float,
     n = math.prod(mesh_axes.values())
     mesh = sharding.make_mesh(cfg, jax.devices()[:n])
     compiled, _ = preflight.compile_step(Trainer(cfg, mesh), preflight.abstract_batch(cfg, mesh))
-    cost = compiled.cost_analysis()
-    text = compiled.as_text()
-    ops = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in COLLECTIVES}
-    return (cost[0] if isinstance(cost, list) else cost)["flops"], ops
+    return preflight.step_flops(compiled), preflight.collectives(compiled)
 
 
 def main() -> None:

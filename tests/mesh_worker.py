@@ -9,7 +9,6 @@ of temporaries XLA plans, the flops it counts, and how many of each collective t
 """
 
 import json
-import re
 import sys
 
 import jax
@@ -73,9 +72,6 @@ def main(corpus: str, cache: str, meshes: list[dict], steps: int = 20) -> None:
     print(json.dumps(results))
 
 
-COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
-
-
 def compiled(meshes: list[dict], overrides: list[str]) -> None:
     results = []
     for mesh_cfg in meshes:
@@ -83,14 +79,12 @@ def compiled(meshes: list[dict], overrides: list[str]) -> None:
         cfg = load_config(None, [*overrides, *(f"mesh.{k}={v}" for k, v in mesh_cfg.items())]).with_vocab(259)
         mesh = sharding.make_mesh(cfg, jax.devices()[:n])
         step, _ = preflight.compile_step(Trainer(cfg, mesh), preflight.abstract_batch(cfg, mesh))
-        text = step.as_text()
-        cost = step.cost_analysis()
         results.append(
             {
                 "mesh": dict(mesh.shape),
                 "temporaries": step.memory_analysis().temp_size_in_bytes,
-                "flops": (cost[0] if isinstance(cost, list) else cost)["flops"],
-                "collectives": {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in COLLECTIVES},
+                "flops": preflight.step_flops(step),
+                "collectives": preflight.collectives(step),
             }
         )
     print(json.dumps(results))

@@ -248,8 +248,6 @@ def measure(
     memory = compiled.memory_analysis()
     assert memory is not None, "CPU, GPU and TPU compilers all report their buffer assignment"
     state: TrainState = trainer.abstract_state()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost  # older jax: one dict per program
     _, flops = work_per_step(cfg)
     return Plan(
         parameters=per_device_bytes(state.params),
@@ -260,13 +258,29 @@ def measure(
         aliased=memory.alias_size_in_bytes,
         temporaries=memory.temp_size_in_bytes,
         peak=getattr(memory, "peak_memory_in_bytes", 0),
-        flops=float((cost or {}).get("flops", math.nan)),
+        flops=step_flops(compiled),
         scanned=loops(trainer.cfg),
         model_flops=flops / len(target.devices),
         compile_s=seconds,
         capacity=target.capacity,
         where=target.where,
     )
+
+
+def step_flops(compiled: jax.stages.Compiled) -> float:
+    """XLA's count of one device's FLOPs in a compiled program (NaN where the backend gives none)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # older jax: one dict per program
+    return float((cost or {}).get("flops", math.nan))
+
+
+COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
+
+
+def collectives(compiled: jax.stages.Compiled) -> dict[str, int]:
+    """How many of each collective one device's compiled program holds (async ones by their start)."""
+    text = compiled.as_text() or ""
+    return {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in COLLECTIVES}
 
 
 def loops(cfg: Config) -> bool:
