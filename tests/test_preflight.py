@@ -1,8 +1,9 @@
 """`--preflight`: the compiled step's memory and FLOPs, refusals in one line, out-of-memory handling."""
 
+import json
 import os
-import warnings
-from unittest import mock
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -108,35 +109,64 @@ LIBTPU = preflight.libtpu_path() or next((str(p) for p in [ROOT / ".ci/libtpu/li
 
 
 @pytest.fixture
-def libtpu():
-    """libtpu's compile-only backend for this test only: the environment variables topology_target
-    sets would make every JAX subprocess a later test starts look for a TPU."""
+def with_libtpu():
+    """Runs Python code with libtpu's compile-only backend in a process of its own and returns the
+    JSON its last line prints. Never in a test worker: libtpu, once loaded, stays for every later
+    test there (its crash hooks and threads with it), and the runs where it had been loaded are the
+    ones whose workers segfaulted in libgcc's unwinder now and then; its environment variables would
+    also make every JAX subprocess a later test starts look for a TPU."""
     if LIBTPU is None:
         pytest.skip("libtpu (the TPU compile-only backend) not installed: .ci/run puts it in .ci/libtpu")
-    with mock.patch.dict(os.environ, {"TPU_LIBRARY_PATH": LIBTPU}):
-        yield
+
+    def run(code: str) -> dict:
+        env = {**os.environ, "TPU_LIBRARY_PATH": LIBTPU, "JAX_PLATFORMS": "cpu"}
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        # the last JSON line: libtpu may write to stdout as well (at exit too)
+        return json.loads(next(line for line in reversed(result.stdout.splitlines()) if line.startswith("{")))
+
+    return run
 
 
-def test_compiles_for_a_tpu_topology(libtpu, capsys):
+@pytest.mark.slow
+def test_compiles_for_a_tpu_topology(with_libtpu):
     args = ["--preflight", *TINY, "model.n_layers=1", "--topology", "v5e-4", "mesh.fsdp=2"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        # twice: had the first been written to the suite's persistent compilation cache, the second
-        # would find it there, fail to load it on the compile-only client and warn
-        assert cli.train_main(args) == 0 and cli.train_main(args) == 0
-    out = capsys.readouterr().out
-    assert "v5e:2x2" in out and "HBM per TPU v5 lite device" in out
-    assert not [w for w in caught if "compilation cache" in str(w.message)]
+    # twice: had the first been written to the suite's persistent compilation cache, the second
+    # would find it there, fail to load it on the compile-only client and warn
+    seen = with_libtpu(f"""
+import contextlib, io, json, warnings
+from transformer import cli
+out = io.StringIO()
+with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
+    warnings.simplefilter("always")
+    codes = [cli.train_main({args!r}), cli.train_main({args!r})]
+print(json.dumps(dict(codes=codes, out=out.getvalue(), warnings=[str(w.message) for w in caught])))
+""")
+    assert seen["codes"] == [0, 0]
+    assert "v5e:2x2" in seen["out"] and "HBM per TPU v5 lite device" in seen["out"]
+    assert not [w for w in seen["warnings"] if "compilation cache" in w]
 
 
-def test_fsdp_shards_the_state_on_a_tpu_topology(libtpu):
+@pytest.mark.slow
+def test_fsdp_shards_the_state_on_a_tpu_topology(with_libtpu):
     """Each of the slice's 4 devices holds a quarter of the parameters and optimiser state."""
-    target = preflight.topology_target("v5e-4")
-    cfgs = [load_config(None, [*TINY, "model.n_layers=2", f"mesh.fsdp={n}"]).with_vocab(259) for n in (1, 4)]
-    whole, sharded = (preflight.plan(cfg, target) for cfg in cfgs)
-    assert whole.parameters == 4 * count_params(cfgs[0].model)  # float32
-    assert sharded.parameters == whole.parameters // 4
-    assert sharded.optimizer <= whole.optimizer // 4 + 64  # the step counter is not sharded
+    seen = with_libtpu(f"""
+import json
+from transformer.config_loader import load_config
+from transformer.model.summary import count_params
+from transformer.train import preflight
+target = preflight.topology_target("v5e-4")
+cfgs = [load_config(None, [*{TINY!r}, "model.n_layers=2", f"mesh.fsdp={{n}}"]).with_vocab(259) for n in (1, 4)]
+plans = [preflight.plan(cfg, target) for cfg in cfgs]
+print(json.dumps(dict(count=count_params(cfgs[0].model), parameters=[p.parameters for p in plans],
+                      optimizer=[p.optimizer for p in plans])))
+""")
+    (whole, sharded), (whole_opt, sharded_opt) = seen["parameters"], seen["optimizer"]
+    assert whole == 4 * seen["count"]  # float32
+    assert sharded == whole // 4
+    assert sharded_opt <= whole_opt // 4 + 64  # the step counter is not sharded
 
 
 def test_topology_without_libtpu_says_what_is_missing(capsys, monkeypatch):
@@ -165,10 +195,6 @@ def test_a_sweep_preflights_every_member(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_train_py_preflight_refuses_an_impossible_mesh_in_one_line():
-    import os
-    import subprocess
-    import sys
-
     args = [sys.executable, "train.py", "--preflight", *TINY, "mesh.tensor=2", "mesh.data=4"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
