@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # would make jax lock it, but then every write scans the whole directory: the suite slowed ~4x.)
 # Without one, jax writes an entry in place, unlocked: two processes finishing the same program at
 # once can tear it. A cache per process was tried against the workers that crashed (a segfault in
-# libgcc_s's unwinder): they crashed without a shared cache too (see below for what they do now).
+# libgcc_s's unwinder): they crashed without a shared cache too, and the suite took twice as long.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"transformer-tests-xla-cache-{machine_key()}")
 )
@@ -31,13 +31,6 @@ from transformer.config import ModelConfig
 from transformer.model import Transformer
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# The test processes themselves read no executable from the persistent cache (the subprocesses
-# they start still do, through the environment above). Workers crashed now and then while jax
-# deserialised a cached executable (`compilation_cache.get_executable_and_time`, in
-# `test_remat_gives_the_same_gradients` twice and `test_scan_equals_unrolled`): a segfault in
-# libgcc's unwinder reading an unmapped eh_frame page. A worker loads thousands of executables a
-# run, a train.py subprocess a few dozen; the same test files alone, eight times over, never crashed.
-jax.config.update("jax_enable_compilation_cache", False)
 
 # The attention variants every model-level property is checked over.
 ATTENTION_VARIANTS = {
