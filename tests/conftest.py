@@ -13,8 +13,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # per kind of machine: a /tmp kept across machines held executables for another CPU. (A size limit
 # would make jax lock it, but then every write scans the whole directory: the suite slowed ~4x.)
 # Without one, jax writes an entry in place, unlocked: two processes finishing the same program at
-# once can tear it. A cache per process was tried against the workers that crashed (a segfault in
-# libgcc_s's unwinder): they crashed without a shared cache too, and the suite took twice as long.
+# once can tear it. Workers that crash now and then (a segfault in libgcc_s's unwinder, on a C++
+# throw after a failing XLA compile) crashed with a cache per process and with none in the workers
+# too, and the suite then took twice as long: the cache is not their cause.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"transformer-tests-xla-cache-{machine_key()}")
 )

@@ -112,9 +112,8 @@ LIBTPU = preflight.libtpu_path() or next((str(p) for p in [ROOT / ".ci/libtpu/li
 def with_libtpu():
     """Runs Python code with libtpu's compile-only backend in a process of its own and returns the
     JSON its last line prints. Never in a test worker: libtpu, once loaded, stays for every later
-    test there (its crash hooks and threads with it), and the runs where it had been loaded are the
-    ones whose workers segfaulted in libgcc's unwinder now and then; its environment variables would
-    also make every JAX subprocess a later test starts look for a TPU."""
+    test there (its own signal handlers, threads and SIGPROF timers with it); its environment
+    variables would also make every JAX subprocess a later test starts look for a TPU."""
     if LIBTPU is None:
         pytest.skip("libtpu (the TPU compile-only backend) not installed: .ci/run puts it in .ci/libtpu")
 
