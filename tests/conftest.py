@@ -1,3 +1,4 @@
+import gc
 import itertools
 import json
 import os
@@ -13,9 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # per kind of machine: a /tmp kept across machines held executables for another CPU. (A size limit
 # would make jax lock it, but then every write scans the whole directory: the suite slowed ~4x.)
 # Without one, jax writes an entry in place, unlocked: two processes finishing the same program at
-# once can tear it. Workers that crash now and then (a segfault in libgcc_s's unwinder, on a C++
-# throw after a failing XLA compile) crashed with a cache per process and with none in the workers
-# too, and the suite then took twice as long: the cache is not their cause.
+# once can tear it.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"transformer-tests-xla-cache-{machine_key()}")
 )
@@ -69,6 +68,43 @@ def all_pairs(*factors: tuple) -> list[tuple]:
 
 def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def memory_maps() -> int:
+    """How many memory mappings this process holds (0 where /proc is not there to say)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _max_map_count() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+# XLA:CPU maps three pages (code, constants, data) for each kernel it JIT-compiles, ~260 mappings
+# for a small training step, and keeps them while jax's caches hold the executable. A test worker
+# compiles thousands of programs: late in the suite it neared the kernel's vm.max_map_count (65,530
+# by default; 64,561 measured), where the next mmap fails and XLA, failing mid-compile, aborts or
+# segfaults in the unwinder: the worker crashes that refused CI runs. Past a third of the limit
+# (leaving the rest for a single test), jax's caches are emptied; what a fixture still holds stays,
+# and the next emptying waits until another sixth of the limit has been mapped.
+_MAPS_LIMIT = _max_map_count()
+_maps_ceiling = _MAPS_LIMIT // 3
+
+
+@pytest.fixture(autouse=True)
+def _bounded_jit_memory():
+    global _maps_ceiling
+    yield
+    if _MAPS_LIMIT and memory_maps() > _maps_ceiling:
+        jax.clear_caches()
+        gc.collect()  # a traced function's closures and its executable can keep each other alive
+        _maps_ceiling = max(_MAPS_LIMIT // 3, memory_maps() + _MAPS_LIMIT // 6)
 
 
 @pytest.fixture(scope="session")
