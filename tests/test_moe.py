@@ -483,30 +483,33 @@ def test_the_balancing_rate_needs_the_choice_bias():
 
 @pytest.mark.parametrize("loads", [(5, 0, 27, 0), (32, 0, 0, 0), (8, 8, 8, 8), (1, 2, 3, 26)])
 def test_expert_blocks_equal_ragged_dot_whatever_the_loads(loads):
-    """Dropless on a CPU: rows sorted by expert through their experts in blocks (padded runs, at
-    most M / b + E blocks) give ragged_dot's rows and gradients, empty experts and a single busy one
-    included."""
+    """Dropless on a CPU: each row's assignments through their experts in blocks (sorted by expert,
+    padded runs, at most M / b + E blocks) give ragged_dot's products and gradients, empty experts
+    and a single busy one included."""
     from transformer.model.moe import expert_blocks
 
-    E, D, C = 4, 8, 6
-    sizes_E = jnp.asarray(loads, jnp.int32)
-    expert_M = jnp.repeat(jnp.arange(E), sizes_E, total_repeat_length=sum(loads))
-    x_MxD = jax.random.normal(jax.random.key(0), (sum(loads), D))
+    E, D, C, K = 4, 8, 6, 2
+    S = sum(loads) // K
+    expert_SxK = jax.random.permutation(jax.random.key(3), jnp.repeat(jnp.arange(E), jnp.asarray(loads))).reshape(S, K)
+    x_SxD = jax.random.normal(jax.random.key(0), (S, D))
     w_ExDxC = jax.random.normal(jax.random.key(1), (E, D, C))
-    probe_MxC = jax.random.normal(jax.random.key(2), (sum(loads), C))
+    probe_SxKxC = jax.random.normal(jax.random.key(2), (S, K, C))
 
     def blocks(x, w):
-        return expert_blocks(x, sizes_E, expert_M, lambda x, w: jnp.einsum("NbD,NDC->NbC", x, w[0]), (w,))
+        return expert_blocks(x, expert_SxK, E, lambda x, w: jnp.einsum("NbD,NDC->NbC", x, w[0]), (w,))
 
     def ragged(x, w):
-        return jax.lax.ragged_dot(x, w, sizes_E)
+        expert_M = expert_SxK.reshape(-1)
+        order_M = jnp.argsort(expert_M, stable=True)
+        y_MxC = jax.lax.ragged_dot(x[order_M // K], w, jnp.bincount(expert_M, length=E).astype(jnp.int32))
+        return jnp.zeros_like(y_MxC).at[order_M].set(y_MxC).reshape(S, K, C)
 
-    np.testing.assert_allclose(blocks(x_MxD, w_ExDxC), ragged(x_MxD, w_ExDxC), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(blocks(x_SxD, w_ExDxC), ragged(x_SxD, w_ExDxC), rtol=1e-6, atol=1e-6)
 
     def probed(x, w, f):
-        return jnp.sum(f(x, w) * probe_MxC)
+        return jnp.sum(f(x, w) * probe_SxKxC)
 
-    grads = [jax.grad(probed, (0, 1))(x_MxD, w_ExDxC, f) for f in (blocks, ragged)]
+    grads = [jax.grad(probed, (0, 1))(x_SxD, w_ExDxC, f) for f in (blocks, ragged)]
     for ours, theirs in zip(*grads):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 

@@ -95,24 +95,34 @@ def capacity_slots(expert_BxTxK: jax.Array, E: int, X: int) -> jax.Array:
 
 
 def expert_blocks(
-    x_MxD: jax.Array, sizes_E: jax.Array, expert_M: jax.Array, ffn: Callable, weights: tuple[jax.Array, ...]
+    x_SxD: jax.Array, expert_SxK: jax.Array, E: int, ffn: Callable, weights: tuple[jax.Array, ...]
 ) -> jax.Array:
-    """`ffn(rows, expert weights)` of rows sorted by expert, in blocks of b rows each of one expert
-    (each expert's run padded to whole blocks with zeros): at most M / b + E blocks, so at most
-    E * b rows more than ragged_dot's, each block one batched product with its expert's weights
-    gathered (MegaBlocks' layout, Gale et al. 2022). b ~ M / 4E: a quarter of the work more at worst."""
-    M, D = x_MxD.shape
-    E = sizes_E.shape[0]
+    """`ffn(rows, expert weights)` of every row's K assignments [S, K, D], in blocks of b rows each
+    of one expert: the assignments sorted by expert, each expert's run padded to whole blocks with
+    zeros, at most M / b + E blocks (M = S * K), so at most E * b rows more than ragged_dot's; each
+    block one batched product with its expert's weights gathered (MegaBlocks' layout, Gale et al.
+    2022). b ~ M / 4E: a quarter of the work more at worst. The rows reach their blocks by one gather
+    and come back by another (their gradients by one scatter-add each way): only integer indices are
+    sorted and scattered."""
+    S, K = expert_SxK.shape
+    D, M = x_SxD.shape[-1], S * K
+    expert_M = expert_SxK.reshape(M)
+    order_M = jnp.argsort(expert_M, stable=True)
+    sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
     b = max(16, 1 << max(0, (M // (4 * E) - 1).bit_length()))
     N = M // b + E
     blocks_E = (sizes_E + b - 1) // b
     first_block_E = jnp.cumsum(blocks_E) - blocks_E
-    rank_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[expert_M]
-    row_M = first_block_E[expert_M] * b + rank_M
-    x_NxbxD = jnp.zeros((N * b, D), x_MxD.dtype).at[row_M].set(x_MxD).reshape(N, b, D)
+    sorted_expert_M = expert_M[order_M]
+    rank_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[sorted_expert_M]
+    block_row_M = first_block_E[sorted_expert_M] * b + rank_M  # of the i-th assignment in expert order
+    # each block row's source row (S, past them all, where it is padding) and each assignment's block row
+    source_R = jnp.full(N * b, S, jnp.int32).at[block_row_M].set((order_M // K).astype(jnp.int32))
+    row_M = jnp.zeros(M, jnp.int32).at[order_M].set(block_row_M)
+    x_NxbxD = jnp.take(x_SxD, source_R, axis=0, mode="fill", fill_value=0).reshape(N, b, D)
     expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(blocks_E), jnp.arange(N), side="right"), E - 1)
-    y_NxbxD = ffn(x_NxbxD, tuple(w[expert_N] for w in weights))
-    return y_NxbxD.reshape(N * b, -1)[row_M]
+    y_NxbxC = ffn(x_NxbxD, tuple(w[expert_N] for w in weights))
+    return y_NxbxC.reshape(N * b, -1)[row_M].reshape(S, K, -1)
 
 
 def routing_losses(r: Routing, E: int) -> dict[str, jax.Array]:
@@ -260,28 +270,22 @@ class MoE(nnx.Module):
     def dropless_rows(
         self, x_BxTxD: jax.Array, expert_BxTxK: jax.Array, gate_BxTxK: jax.Array, weights: tuple[jax.Array, ...]
     ) -> jax.Array:
-        """The rows' assignments sorted by expert, each expert's run of them through its FFN
-        (`grouped`), then back in token order, weighed by their gates."""
+        """Each token's K assignments through their experts' FFNs, weighed by their gates: on a CPU in
+        blocks (`expert_blocks`; XLA:CPU computes a ragged_dot as E dense products over all the rows, E
+        times the work), elsewhere sorted by expert, one `ragged_dot` group per expert."""
         B, T, D = x_BxTxD.shape
         E, K = self.cfg.n_experts, self.cfg.top_k
-        expert_M = expert_BxTxK.reshape(-1)
-        order_M = jnp.argsort(expert_M, stable=True)
-        x_MxD = x_BxTxD.reshape(B * T, D)[order_M // K]
-        sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
-        y_MxD = self.grouped(x_MxD, sizes_E, expert_M[order_M], weights)
-        y_BxTxKxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(B, T, K, D)
-        return jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, gate_BxTxK.astype(x_BxTxD.dtype))
-
-    def grouped(
-        self, x_MxD: jax.Array, sizes_E: jax.Array, expert_M: jax.Array, weights: tuple[jax.Array, ...]
-    ) -> jax.Array:
-        """Rows sorted by expert (`sizes_E` of each, `expert_M` each row's) through their experts'
-        FFNs (`weights`: w_in, w_out): `ragged_dot`, one group per expert; on a CPU in blocks instead
-        (XLA:CPU computes a ragged_dot as E dense products over all the rows, E times the work)."""
+        x_SxD, expert_SxK = x_BxTxD.reshape(B * T, D), expert_BxTxK.reshape(B * T, K)
         if jax.default_backend() == "cpu":
-            return expert_blocks(x_MxD, sizes_E, expert_M, lambda x, w: self.ffn_rows(x, w[0], w[1]), weights)
-        w_in, w_out = weights
-        return self.ffn_rows(x_MxD, w_in, w_out, lambda x, w: jax.lax.ragged_dot(x, w, sizes_E))
+            y_SxKxD = expert_blocks(x_SxD, expert_SxK, E, lambda x, w: self.ffn_rows(x, *w), weights)
+        else:
+            expert_M = expert_SxK.reshape(-1)
+            order_M = jnp.argsort(expert_M, stable=True)
+            sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
+            w_in, w_out = weights
+            y_MxD = self.ffn_rows(x_SxD[order_M // K], w_in, w_out, lambda x, w: jax.lax.ragged_dot(x, w, sizes_E))
+            y_SxKxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(B * T, K, D)
+        return jnp.einsum("BTKD,BTK->BTD", y_SxKxD.reshape(B, T, K, D), gate_BxTxK.astype(x_BxTxD.dtype))
 
     def ffn_rows(self, x: jax.Array, w_in: jax.Array, w_out: jax.Array, dot: Callable | None = None) -> jax.Array:
         """The experts' FFN on rows `x` with weights `w_in` (gated: [.., D, 2F], gate then up) and
