@@ -1,7 +1,8 @@
-"""`model.dtype: auto`, `model.attention_impl: auto` and the GPU flags: the decision on fake
-platforms, the CPU fallback."""
+"""`model.dtype: auto`, `model.attention_impl: auto`, the GPU flags and the CPU compiler options:
+the decision on fake platforms, the CPU fallback."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from transformer.config_loader import load_config
 from transformer.data import prepare
 from transformer.model.attention import Attention
 from transformer.train.loop import train
+from transformer.train.trainer import Trainer, default_controls
 
 
 def _cfg(document_mask=False, **model) -> Config:
@@ -155,6 +157,7 @@ def test_auto_on_cpu_runs_blocked_and_says_so(tmp_path):
         runs[impl] = (result, lines)
     assert any("attention blocked (auto: CPU, static mask" in line for line in runs["auto"][1])
     assert any("compute float32 (auto)" in line for line in runs["auto"][1])
+    assert not any("YNNPACK" in line for line in runs["auto"][1])  # a dense model keeps XLA:CPU's default
     for a, b in zip(jax.tree.leaves(runs["auto"][0].params), jax.tree.leaves(runs["blocked"][0].params)):
         np.testing.assert_array_equal(a, b)
 
@@ -168,3 +171,41 @@ def test_gpu_flags_only_where_a_gpu_will_be_used(monkeypatch):
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in env["XLA_FLAGS"]
     assert added and all(flag in env["XLA_FLAGS"] for flag in added)
     assert accelerator.apply_xla_gpu_flags({"JAX_PLATFORMS": "cpu"}) == []
+
+
+def _ynn_dots(hlo: str) -> int:
+    """How many of a compiled program's YNNPACK fusions compute a dot."""
+    bodies = dict(re.findall(r"^(%[\w.\-]+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M))
+    called = re.findall(r"calls=(%[\w.\-]+), [^\n]*\"kind\":\"__ynn_fusion\"", hlo)
+    return sum(" dot(" in bodies[name] for name in called)
+
+
+def test_a_cpu_step_with_experts_computes_its_dots_by_xla_not_ynnpack():
+    """The trainer's steps compile with accelerator.compiler_options: on a CPU no dot of a model with
+    experts is left to YNNPACK (whose batched dots run on one thread); a plain jit of the same step
+    leaves them there, as the trainer does for a dense model."""
+    moe = dict(n_experts=4, top_k=2, capacity_factor=None)
+    for experts, options in ((moe, accelerator.CPU_COMPILER_OPTIONS), ({}, {})):
+        model = ModelConfig(d_model=32, n_heads=2, n_layers=1, vocab_size=64, **experts)
+        cfg = Config(model=model, data=DataConfig(seq_len=16))
+        trainer = Trainer(cfg, sharding.make_mesh(cfg, jax.devices()[:1]))
+        assert trainer.compiler_options == options
+        state = jax.eval_shape(trainer.init, jax.random.key(0))
+        batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, 16), jnp.int32) for k in ("inputs", "targets")}
+        args = (state, batch, default_controls())
+        assert _ynn_dots(jax.jit(trainer._train_step).lower(*args).compile().as_text()) > 0  # XLA:CPU's default
+        assert (_ynn_dots(trainer.train_step.lower(*args).compile().as_text()) == 0) == bool(options)
+        assert (_ynn_dots(trainer.eval_step.lower(state.params, batch).compile().as_text()) == 0) == bool(options)
+
+
+def test_cpu_compiler_options_only_with_experts_on_a_cpu_and_never_against_the_user(monkeypatch):
+    moe = Config(model=ModelConfig(n_experts=4, top_k=2))
+    assert accelerator.compiler_options(moe, "cpu", {}) == accelerator.CPU_COMPILER_OPTIONS
+    assert accelerator.compiler_options(Config(), "cpu", {}) == {}
+    assert accelerator.compiler_options(moe, "gpu", {}) == accelerator.compiler_options(moe, "tpu", {}) == {}
+    mine = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT"}
+    assert accelerator.compiler_options(moe, "cpu", mine) == {}  # XLA_FLAGS' setting wins
+    # a jaxlib that does not know the option compiles as before instead of failing
+    monkeypatch.setattr(accelerator, "CPU_COMPILER_OPTIONS", {accelerator.CPU_DOTS_OPTION: "NO_SUCH_FUSION_TYPE"})
+    monkeypatch.setattr(accelerator, "_cpu_options_accepted", accelerator._cpu_options_accepted.__wrapped__)
+    assert accelerator.compiler_options(moe, "cpu", {}) == {}

@@ -74,7 +74,10 @@ def test_losses_identical_across_meshes(corpus, tmp_path):
     reference = results[0]["losses"]
     assert len(reference) == 20
     for r in results[1:]:
-        np.testing.assert_allclose(r["losses"], reference, rtol=1e-5, err_msg=str(r["mesh"]))
+        # equal to float32 rounding: on a CPU a model with experts computes its dots by XLA's Eigen
+        # (accelerator.compiler_options), which splits a product over threads by its size, so the
+        # per-device batch changes the summation order (up to 1.4e-5 seen; 1e-6 with YNNPACK's)
+        np.testing.assert_allclose(r["losses"], reference, rtol=3e-5, err_msg=str(r["mesh"]))
     by_mesh = {tuple(r["mesh"].values()): r["specs"] for r in results}  # (data, fsdp, tensor, expert)
     assert by_mesh[(1, 8, 1, 1)]["embed"] == "P(None, 'fsdp')"
     assert by_mesh[(1, 8, 1, 1)]["qkv"] == "P(None, 'fsdp', None, None, None)"

@@ -1,6 +1,7 @@
 """Choices that depend on the accelerator, made in one place: the compute dtype `model.dtype: auto`
 runs, which attention implementation `model.attention_impl: auto` runs, how many layers each
-iteration of the layer scan runs (`model.scan_unroll: null`), and the XLA flags a GPU run gets.
+iteration of the layer scan runs (`model.scan_unroll: null`), the XLA flags a GPU run gets, and the
+compiler options a CPU run's steps compile with (`compiler_options`).
 
 The model is built from `resolve(cfg)`, and the run's start-up line says what was picked and why.
 The config a run directory saves records the dtype `auto` chose (`settle_dtype`), so that a run
@@ -18,6 +19,7 @@ laptop and bf16 ones on a GPU; a comparison that must hold the numerics fixed ac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -35,6 +37,15 @@ XLA_GPU_FLAGS = (
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
 CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+# XLA:CPU (jaxlib 0.10) hands dots and reductions to YNNPACK. YNNPACK computes a batched dot's items
+# one after another, each on one thread while it is small (below ~16 MFLOP), where XLA's own dot
+# (Eigen) splits an item of ~4 MFLOP over the cores. The experts' blocks of a mixture are such items:
+# a CPU step with experts compiles without YNNPACK fusions (an empty list of fusion kinds; leaving it
+# the reductions still hands it the dots fused into them). Measured faster with capacity and
+# dropless dispatch; for a dense model it was mixed, so it keeps the default (benchmarks/README.md,
+# "Dots on a CPU"). An option XLA_FLAGS already sets wins.
+CPU_DOTS_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+CPU_COMPILER_OPTIONS = {CPU_DOTS_OPTION: ""}
 # objectives whose batches carry segment ids (documents, padding) whatever data.document_mask says
 SEGMENTED = ("mlm", "seq2seq", "prefix")
 
@@ -57,6 +68,29 @@ def apply_xla_gpu_flags(environ=os.environ) -> list[str]:
     if added:
         environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return added
+
+
+def compiler_options(cfg: Config, platform: str, environ=os.environ) -> dict[str, str]:
+    """The XLA options a run's jitted steps compile with on `platform`: CPU_COMPILER_OPTIONS for a
+    model with experts on a CPU, unless XLA_FLAGS names the option itself or this jaxlib does not
+    know it (the option is experimental: without it a step compiles as before rather than fails);
+    none otherwise."""
+    if platform != "cpu" or cfg.model.n_experts == 0 or CPU_DOTS_OPTION in environ.get("XLA_FLAGS", ""):
+        return {}
+    return dict(CPU_COMPILER_OPTIONS) if _cpu_options_accepted() else {}
+
+
+@functools.cache
+def _cpu_options_accepted() -> bool:
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        x = jnp.zeros(2, device=jax.devices("cpu")[0])
+        jax.jit(jnp.sum, compiler_options=CPU_COMPILER_OPTIONS).lower(x).compile()
+    except Exception:  # jaxlib refuses an option it does not have (INVALID_ARGUMENT, by name)
+        return False
+    return True
 
 
 def choose_dtype(cfg: Config, platform: str) -> str:

@@ -133,6 +133,8 @@ class TrainLoop:
         if self.cfg.model.attention_impl == "auto":
             impl, why = choose_attention(self.cfg, platform)
             attention += f"attention {impl} (auto: {why}); "
+        if self.trainer.compiler_options:
+            attention += "dots and reductions by XLA's own kernels, not YNNPACK's (CPU, experts); "
         if self.lead:
             self.log(
                 f"{count_params(self.cfg.model):,} parameters on {self.mesh.devices.size} "

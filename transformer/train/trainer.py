@@ -168,21 +168,21 @@ class Trainer:
         # a TrainState of shardings, not arrays
         self.state_shardings = TrainState(replicated, param_shardings, opt_shardings)  # type: ignore[arg-type]
         batch_spec = sharding.batch_sharding(mesh)
+        self.compiler_options = accelerator.compiler_options(cfg, mesh.devices.flat[0].platform)
+        jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
         self.init = jax.jit(self._init, out_shardings=self.state_shardings)
-        self.train_step = jax.jit(
+        self.train_step = jit(
             self._train_step,
             in_shardings=(self.state_shardings, batch_spec, replicated),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
         )
-        self.eval_step = jax.jit(self._eval_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated)
+        self.eval_step = jit(self._eval_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated)
         self.judge_step = self.eval_step  # the training function's loss, which the monitor's limits are of
         if self.inference_graphdef is not self.graphdef:
             judge = functools.partial(self._eval_step, graphdef=self.graphdef)
-            self.judge_step = jax.jit(judge, in_shardings=(param_shardings, batch_spec), out_shardings=replicated)
-        self.stats_step = jax.jit(
-            self._stats_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated
-        )
+            self.judge_step = jit(judge, in_shardings=(param_shardings, batch_spec), out_shardings=replicated)
+        self.stats_step = jit(self._stats_step, in_shardings=(param_shardings, batch_spec), out_shardings=replicated)
 
     # --- pure functions ---------------------------------------------------------------------------
     def _init(self, seed: jax.Array) -> TrainState:
