@@ -5,7 +5,10 @@ limit (the attention's batched matmuls run on one thread).
 
 One product of G matrices [M, K] x [K, N] (the default is the attention's at the `medium` shape: 8
 sequences x 6 heads, 128-query blocks, head width 64, 256 keys), computed five ways of equal FLOPs:
-- `batched`: `einsum('GMK,GKN->GMN')`, the dot the attention compiles to;
+- `batched`: `einsum('GMK,GKN->GMN')`, the dot the attention compiles to, as XLA:CPU compiles it by
+  default (a YNNPACK fusion);
+- `xla dot`: the same, compiled with the options the trainer's steps use on a CPU
+  (`accelerator.CPU_COMPILER_OPTIONS`: XLA's own dot, which Eigen computes, not YNNPACK's);
 - `halves`: the same as two independent batched dots of G/2 (XLA may run independent thunks at once);
 - `unrolled`: the same as G independent unbatched dots, stacked;
 - `plain`: one unbatched dot `[G*M, K] x [K, N]` (one right-hand side for all: not the same function,
@@ -27,7 +30,7 @@ import subprocess
 import sys
 import time
 
-COLUMNS = ("batched", "halves", "unrolled", "plain", "torch.bmm")
+COLUMNS = ("batched", "xla dot", "halves", "unrolled", "plain", "torch.bmm")
 
 
 def child(shape: list[int], rounds: int, reps: int) -> dict:
@@ -35,6 +38,7 @@ def child(shape: list[int], rounds: int, reps: int) -> dict:
     import jax.numpy as jnp
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from transformer.accelerator import CPU_COMPILER_OPTIONS
     from transformer.train.metrics import measure_cpu_matmul_peak
 
     G, M, K, N = shape
@@ -48,6 +52,10 @@ def child(shape: list[int], rounds: int, reps: int) -> dict:
 
     cases = {
         "batched": (jax.jit(lambda a, b: jnp.einsum("GMK,GKN->GMN", a, b)), (a, b)),
+        "xla dot": (
+            jax.jit(lambda a, b: jnp.einsum("GMK,GKN->GMN", a, b), compiler_options=CPU_COMPILER_OPTIONS),
+            (a, b),
+        ),
         "halves": (jax.jit(halves), (a, b)),
         "unrolled": (jax.jit(lambda a, b: jnp.stack([a[g] @ b[g] for g in range(G)])), (a, b)),
         "plain": (jax.jit(lambda a, b: a.reshape(G * M, K) @ b), (a, b[0])),
