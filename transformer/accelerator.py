@@ -41,9 +41,9 @@ CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 # one after another, each on one thread while it is small (below ~16 MFLOP), where XLA's own dot
 # (Eigen) splits an item of ~4 MFLOP over the cores. The experts' blocks of a mixture are such items:
 # a CPU step with experts compiles without YNNPACK fusions (an empty list of fusion kinds; leaving it
-# the reductions still hands it the dots fused into them). Measured faster with capacity and
-# dropless dispatch; for a dense model it was mixed, so it keeps the default (benchmarks/README.md,
-# "Dots on a CPU"). An option XLA_FLAGS already sets wins.
+# the reductions still hands it the dots fused into them). Measured faster with dropless dispatch
+# (capacity dispatch: unchanged within the noise); for a dense model it was mixed, so it keeps the
+# default (benchmarks/README.md, "Dots on a CPU"). An option XLA_FLAGS already sets wins.
 CPU_DOTS_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 CPU_COMPILER_OPTIONS = {CPU_DOTS_OPTION: ""}
 # objectives whose batches carry segment ids (documents, padding) whatever data.document_mask says
