@@ -4,7 +4,7 @@ limit (the attention's batched matmuls run on one thread).
     python benchmarks/batched_dot.py [--rounds 5] [--reps 20] [--shape 48 128 64 256]
 
 One product of G matrices [M, K] x [K, N] (the default is the attention's at the `medium` shape: 8
-sequences x 6 heads, 128-query blocks, head width 64, 256 keys), computed five ways of equal FLOPs:
+sequences x 6 heads, 128-query blocks, head width 64, 256 keys), computed six ways of equal FLOPs:
 - `batched`: `einsum('GMK,GKN->GMN')`, the dot the attention compiles to, as XLA:CPU compiles it by
   default (a YNNPACK fusion);
 - `xla dot`: the same, compiled with the options the trainer's steps use on a CPU
