@@ -94,6 +94,11 @@ def capacity_slots(expert_BxTxK: jax.Array, E: int, X: int) -> jax.Array:
     return slot_BxKxT.swapaxes(1, 2)
 
 
+def by_expert(expert_M: jax.Array, E: int) -> tuple[jax.Array, jax.Array]:
+    """(the assignments' order sorted by expert, stable; each expert's count [E] int32)."""
+    return jnp.argsort(expert_M, stable=True), jnp.bincount(expert_M, length=E).astype(jnp.int32)
+
+
 def expert_blocks(
     x_SxD: jax.Array, expert_SxK: jax.Array, E: int, ffn: Callable, weights: tuple[jax.Array, ...]
 ) -> jax.Array:
@@ -107,8 +112,7 @@ def expert_blocks(
     S, K = expert_SxK.shape
     D, M = x_SxD.shape[-1], S * K
     expert_M = expert_SxK.reshape(M)
-    order_M = jnp.argsort(expert_M, stable=True)
-    sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
+    order_M, sizes_E = by_expert(expert_M, E)
     b = max(16, 1 << max(0, (M // (4 * E) - 1).bit_length()))
     N = M // b + E
     blocks_E = (sizes_E + b - 1) // b
@@ -279,9 +283,7 @@ class MoE(nnx.Module):
         if jax.default_backend() == "cpu":
             y_SxKxD = expert_blocks(x_SxD, expert_SxK, E, lambda x, w: self.ffn_rows(x, *w), weights)
         else:
-            expert_M = expert_SxK.reshape(-1)
-            order_M = jnp.argsort(expert_M, stable=True)
-            sizes_E = jnp.bincount(expert_M, length=E).astype(jnp.int32)
+            order_M, sizes_E = by_expert(expert_SxK.reshape(-1), E)
             w_in, w_out = weights
             y_MxD = self.ffn_rows(x_SxD[order_M // K], w_in, w_out, lambda x, w: jax.lax.ragged_dot(x, w, sizes_E))
             y_SxKxD = jnp.zeros_like(y_MxD).at[order_M].set(y_MxD).reshape(B * T, K, D)
