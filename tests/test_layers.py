@@ -1,6 +1,7 @@
 """Norms, norm placement, FFNs, position encodings and initialisation."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from conftest import build, tiny
 from flax import nnx
 
 from transformer.model import Block
-from transformer.model.layers import FFN, Norm, cotangent_once, gelu_tanh, normalize
+from transformer.model.layers import FFN, Norm, cotangent_once, gelu_tanh, normalize, project
 from transformer.model.positions import sinusoidal
 
 
@@ -255,3 +256,69 @@ def test_cotangent_once_changes_no_value_and_no_gradient(first):
     np.testing.assert_array_equal(cotangent_once(x_RxD), x_RxD)
     if jax.default_backend() == "cpu":
         assert " conditional(" in grad.lower(x_RxD, w_DxF, True).compile().as_text()
+
+
+PROJECTIONS = [  # (spec, x shape, w shape): the model's projections, small
+    ("BTD,DF->BTF", (2, 8, 16), (16, 24)),
+    ("BTD,DCF->BTCF", (2, 8, 16), (16, 2, 24)),
+    ("BTNH,NHD->BTD", (2, 8, 4, 6), (4, 6, 16)),
+    ("BTD,DKCH->BTKCH", (2, 8, 16), (16, 3, 2, 5)),
+]
+
+
+@pytest.mark.parametrize(("spec", "x_shape", "w_shape"), PROJECTIONS)
+@pytest.mark.parametrize("first", [1.0, math.nan])
+def test_project_is_the_einsum(spec, x_shape, w_shape, first):
+    """`project` is `jnp.einsum(spec)`: the value and the input gradient bit for bit, the weight
+    gradient to float rounding (on a CPU it is computed from x^T in memory), whatever the
+    cotangent holds (its first element picks the conditional's branch)."""
+    kx, kw, kc = jax.random.split(jax.random.key(len(spec)), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    cotangent = jax.random.normal(kc, jnp.einsum(spec, x, w).shape)
+    cotangent = cotangent.reshape(-1).at[0].set(first).reshape(cotangent.shape)
+
+    def loss(x, w, mine):
+        y = project(spec, x, w) if mine else jnp.einsum(spec, x, w)
+        return jnp.sum(y * cotangent)
+
+    value = jax.jit(lambda x, w: project(spec, x, w))(x, w)
+    np.testing.assert_array_equal(value, jax.jit(lambda x, w: jnp.einsum(spec, x, w))(x, w))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    (dx, dw), (want_dx, want_dw) = grad(x, w, True), grad(x, w, False)
+    np.testing.assert_array_equal(dx, want_dx)
+    if math.isnan(first):  # the first row of every product with the cotangent is NaN, in both
+        np.testing.assert_array_equal(np.isnan(dw), np.isnan(want_dw))
+        return
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_project_refuses_what_is_not_a_projection():
+    x, w = jnp.ones((2, 3, 4)), jnp.ones((5, 4))
+    with pytest.raises(AssertionError, match="not a projection"):
+        jax.grad(lambda w: project("BTD,FD->BTF", x, w).sum())(w)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's choice of dot kernels")
+def test_a_cpu_weight_gradient_is_one_ynnpack_dot_with_no_transposed_gradient():
+    """On a CPU the FFN's weight gradients compile to YNNPACK dots, with no XLA dot left in the
+    backward pass; through the plain einsum XLA computes them with its own dot on a transposed
+    copy of the gradient (the cost this avoids, benchmarks/README.md). Skipped where this jaxlib
+    hands no dot to YNNPACK."""
+    x = jax.random.normal(jax.random.key(0), (4, 64, 32))
+    w_in, w_out = jax.random.normal(jax.random.key(1), (32, 128)), jax.random.normal(jax.random.key(2), (128, 32))
+
+    def loss(x, w_in, w_out, mine):
+        dot = project if mine else jnp.einsum
+        return jnp.sum(dot("BTF,FD->BTD", gelu_tanh(dot("BTD,DF->BTF", x, w_in)), w_out) ** 2)
+
+    def xla_dots(mine: bool) -> int:
+        grad = jax.jit(jax.grad(loss, argnums=(1, 2)), static_argnums=3)
+        hlo = grad.lower(x, w_in, w_out, mine).compile().as_text()
+        bodies = dict(re.findall(r"^(%[\w.\-]+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M))
+        ynn = re.findall(r"calls=(%[\w.\-]+), [^\n]*\"kind\":\"__ynn_fusion\"", hlo)
+        if not ynn:
+            pytest.skip("this jaxlib's XLA:CPU hands no dot to YNNPACK")
+        return hlo.count(" dot(") - sum(bodies[name].count(" dot(") for name in ynn)
+
+    assert xla_dots(mine=False) > 0
+    assert xla_dots(mine=True) == 0

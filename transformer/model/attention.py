@@ -16,7 +16,7 @@ from flax import nnx
 
 from transformer.config import ModelConfig
 from transformer.model.flash import Mask, blocked_attention
-from transformer.model.layers import InitScales, Norm, const_param, dropout, normal_param
+from transformer.model.layers import InitScales, Norm, const_param, dropout, normal_param, project
 from transformer.model.positions import Window, positions_for
 
 # One layer's KV cache: "k" and "v" [B, S, K, H] and "pos" [B, S] (-1: an empty slot).
@@ -218,7 +218,7 @@ class Attention(nnx.Module):
 
     def output(self, out_BxTxNxH: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """The heads' outputs projected back to the model width [B, T, D]."""
-        y_BxTxD = jnp.einsum("BTNH,NHD->BTD", out_BxTxNxH, self.out[...].astype(dtype))
+        y_BxTxD = project("BTNH,NHD->BTD", out_BxTxNxH, self.out[...].astype(dtype))
         if self.out_bias is not None:
             y_BxTxD = y_BxTxD + self.out_bias[...].astype(dtype)
         return y_BxTxD
@@ -248,7 +248,7 @@ class Attention(nnx.Module):
     def fused(self, x_BxTxD: jax.Array, parts: slice) -> jax.Array:
         """x through `parts` of the fused weight's C axis (with their bias): [B, T, K, C', H]."""
         dtype = x_BxTxD.dtype
-        y_BxTxKxCxH = jnp.einsum("BTD,DKCH->BTKCH", x_BxTxD, self.qkv[...][:, :, parts].astype(dtype))
+        y_BxTxKxCxH = project("BTD,DKCH->BTKCH", x_BxTxD, self.qkv[...][:, :, parts].astype(dtype))
         if self.qkv_bias is not None:
             y_BxTxKxCxH = y_BxTxKxCxH + self.qkv_bias[...][:, parts].astype(dtype)
         return y_BxTxKxCxH

@@ -232,6 +232,49 @@ def _in_memory(g: jax.Array) -> jax.Array:
 cotangent_once.defvjp(_cotangent_once_fwd, _cotangent_once_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a projection: `x`'s trailing axes contracted with `w`'s leading
+    ones, in the same order ('BTD,DF->BTF', 'BTNH,NHD->BTD'). The same forward pass and input
+    gradient as the einsum, bit for bit; the weight gradient is computed otherwise on a CPU (see
+    `_weight_gradient_operand`), equal to float rounding."""
+    return jnp.einsum(spec, x, w)
+
+
+def _project_fwd(spec: str, x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return project(spec, x, w), (x, w)
+
+
+def _project_bwd(spec: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w = residuals
+    inputs, _ = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    n_in = len(set(x_axes) & set(w_axes))
+    assert x_axes[len(x_axes) - n_in :] == w_axes[:n_in], f"project: {spec!r} is not a projection"
+    _, input_gradient = jax.vjp(lambda x: jnp.einsum(spec, x, w), x)
+    (dx,) = input_gradient(g)
+    rows = math.prod(x.shape[: x.ndim - n_in])
+    x_IxR = x.reshape(rows, -1).T  # [inputs, rows]
+    g_RxO = g.reshape(rows, -1)
+    x_IxR = jax.lax.platform_dependent(x_IxR, g_RxO, cpu=_weight_gradient_operand, default=lambda x, g: x)
+    return dx, (x_IxR @ g_RxO).reshape(w.shape).astype(w.dtype)
+
+
+def _weight_gradient_operand(x_IxR: jax.Array, g_RxO: jax.Array) -> jax.Array:
+    """`x_IxR`, put in memory as it is, in the backward pass. Left to itself XLA:CPU computes the
+    weight gradient x^T g from x's [rows, inputs] layout: a product YNNPACK does not take (its
+    contraction is x's leading axis), so XLA transposes g [rows, outputs] in memory, the larger of the
+    two at an FFN's output (the FFN width), and runs its own dot beside the input gradient's
+    (benchmarks/README.md, issue 36). Written out as x^T, a row-major [inputs, rows] behind a
+    conditional XLA does not fuse across (see `_in_memory`), the product is one YNNPACK dot. The
+    predicate reads g, so the copy is made when the gradient is, not kept from the forward pass;
+    both branches give x^T, bit for bit."""
+    return jax.lax.cond(jnp.isfinite(g_RxO[0, 0]), lambda x: x, lambda x: x * 1.0, x_IxR)
+
+
+project.defvjp(_project_fwd, _project_bwd)
+
+
 @jax.custom_jvp
 def gelu_tanh(x: jax.Array) -> jax.Array:
     """GELU's tanh approximation (GPT-2), with its derivative written out: autodiff of
@@ -293,16 +336,16 @@ class FFN(nnx.Module):
         act = ACTIVATIONS[self.cfg.ffn]
         w_in = self.w_in[...].astype(dtype)
         if self.cfg.gated_ffn:
-            h_BxTxCxF = cotangent_once(jnp.einsum("BTD,DCF->BTCF", x_BxTxD, w_in))
+            h_BxTxCxF = cotangent_once(project("BTD,DCF->BTCF", x_BxTxD, w_in))
             if self.b_in is not None:
                 h_BxTxCxF = h_BxTxCxF + self.b_in[...].astype(dtype)
             h_BxTxF = act(h_BxTxCxF[:, :, 0]) * h_BxTxCxF[:, :, 1]
         else:
-            h_BxTxF = cotangent_once(jnp.einsum("BTD,DF->BTF", x_BxTxD, w_in))
+            h_BxTxF = cotangent_once(project("BTD,DF->BTF", x_BxTxD, w_in))
             if self.b_in is not None:
                 h_BxTxF = h_BxTxF + self.b_in[...].astype(dtype)
             h_BxTxF = act(h_BxTxF)
-        y_BxTxD = jnp.einsum("BTF,FD->BTD", h_BxTxF, self.w_out[...].astype(dtype))
+        y_BxTxD = project("BTF,FD->BTD", h_BxTxF, self.w_out[...].astype(dtype))
         if self.b_out is not None:
             y_BxTxD = y_BxTxD + self.b_out[...].astype(dtype)
         return y_BxTxD
