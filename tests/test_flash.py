@@ -11,7 +11,7 @@ from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.config_loader import load_config
 from transformer.model.attention import attend_einsum, attention_mask
-from transformer.model.flash import Mask, blocked_attention, blocks
+from transformer.model.flash import CPU_CHAINS, Mask, attend_blocked, blocked_attention, blocks
 from transformer.train.trainer import Trainer, default_controls
 
 T, H, BLOCK = 21, 8, 8  # three query blocks, the last one short
@@ -81,3 +81,22 @@ def test_train_steps_equal_xla_attention(window):
     """Three AdamW steps (the updates feed back) give XLA's losses to float rounding; T=300 is
     three query blocks, the last one short."""
     np.testing.assert_allclose(_train_losses("blocked", window), _train_losses("xla", window), rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [2 * CPU_CHAINS, 2 * CPU_CHAINS + 1])
+def test_attention_in_chains_is_the_blocked_attention_bit_for_bit(batch):
+    """`attend_blocked` (on a CPU the batch's rows in CPU_CHAINS interleaved groups, each its own
+    call; one call where the rows do not divide) gives blocked_attention's output and gradients
+    bit for bit, each row in its place."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(batch), 4)
+    q = jax.random.normal(kq, (batch, T, 2, 2, H))
+    k, v = jax.random.normal(kk, (batch, T, 2, H)), jax.random.normal(kv, (batch, T, 2, H))
+    cotangent = jax.random.normal(kc, q.shape)
+    mask = Mask(causal=True, window=None)
+    out = {}
+    for name, attend in (("chains", attend_blocked), ("whole", blocked_attention)):
+        forward = jax.jit(lambda q, k, v, attend=attend: attend(q, k, v, 0.3, mask, BLOCK))
+        grads = jax.jit(jax.grad(lambda q, k, v, f=forward: jnp.sum(f(q, k, v) * cotangent), argnums=(0, 1, 2)))
+        out[name] = (forward(q, k, v), *grads(q, k, v))
+    for got, want in zip(out["chains"], out["whole"]):
+        np.testing.assert_array_equal(got, want)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer.config import ModelConfig
-from transformer.model.flash import Mask, blocked_attention
+from transformer.model.flash import Mask, attend_blocked
 from transformer.model.layers import InitScales, Norm, const_param, dropout, normal_param, project
 from transformer.model.positions import Window, positions_for
 
@@ -304,7 +304,7 @@ class Attention(nnx.Module):
             return out_BxTxKxGxH.reshape(B, T, K * G, -1)  # values may be narrower than queries (MLA)
         static_window = window if keys.static and not isinstance(window, jax.Array) else None
         if cfg.attention_kernel == "blocked" and keys.static and bias_BxNxTxS is None:
-            out_BxTxKxGxH = blocked_attention(
+            out_BxTxKxGxH = attend_blocked(
                 q_BxTxKxGxH, keys.k_BxSxKxH, keys.v_BxSxKxH, cfg.scale, Mask(causal=self.causal, window=static_window)
             )
             return out_BxTxKxGxH.reshape(B, T, K * G, -1)

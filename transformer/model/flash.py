@@ -146,3 +146,32 @@ def _bwd(scale, mask, block, residuals, dout_BxTxKxGxH):
 
 
 blocked_attention.defvjp(_fwd, _bwd)
+
+CPU_CHAINS = 2  # independent calls a CPU runs the batch's rows in (see `attend_blocked`)
+
+
+def attend_blocked(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale: float, mask: Mask, block: int = BLOCK) -> jax.Array:
+    """`blocked_attention`; on a CPU, of the batch's rows in CPU_CHAINS interleaved groups (rows
+    r, r + n, ...) computed as independent calls, then put back in order: bit for bit the same.
+    YNNPACK, the library XLA:CPU hands dots to, runs a batched dot's items one after another on
+    one thread when they are small (a query block against its keys at short lengths); two
+    independent chains of them the thunk executor runs at once, one a core. Attention alone at
+    B8/T256/6 heads, forward and backward, took 30 ms in two chains against 47 in one; the train
+    step 2-5% less on every shape of `benchmarks/vs_pytorch.py` (2-core Zen 4, benchmarks/README.md,
+    issue 36). Interleaved rather than halves, so a device's rows stay on it when the batch is
+    sharded (each device's block of rows splits the same way when it holds a multiple of
+    CPU_CHAINS rows). Measured on 2 cores only, hence 2."""
+    B = q_BxTxKxGxH.shape[0]
+
+    def whole(q, k, v):
+        return blocked_attention(q, k, v, scale, mask, block)
+
+    def chains(q, k, v):
+        n = CPU_CHAINS
+        q, k, v = (a.reshape(B // n, n, *a.shape[1:]) for a in (q, k, v))  # [B/n, n, ...]: row b*n + i
+        outs = [whole(q[:, i], k[:, i], v[:, i]) for i in range(n)]
+        return jnp.stack(outs, axis=1).reshape(B, *outs[0].shape[1:])
+
+    if B % CPU_CHAINS:
+        return whole(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH)
+    return jax.lax.platform_dependent(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, cpu=chains, default=whole)
