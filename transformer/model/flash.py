@@ -157,9 +157,10 @@ def attend_blocked(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale: float, mask: Mask, 
     one thread when they are small (a query block against its keys at short lengths); two
     independent chains of them the thunk executor runs at once, one a core. Attention alone at
     B8/T256/6 heads, forward and backward, took 30 ms in two chains against 47 in one; at T2048
-    no change, whose items YNNPACK threads itself (2-core Zen 4, benchmarks/README.md, issue 36). Interleaved rather than halves, so a device's rows stay on it when the batch is
-    sharded (each device's block of rows splits the same way when it holds a multiple of
-    CPU_CHAINS rows). Measured on 2 cores only, hence 2."""
+    no change, whose items YNNPACK threads itself (2-core Zen 4, benchmarks/README.md, issue 36).
+    Interleaved rather than halves, so a device's rows stay on it when the batch is sharded (each
+    device's block of rows splits the same way when it holds a multiple of CPU_CHAINS rows).
+    Measured on 2 cores only, hence 2."""
     B = q_BxTxKxGxH.shape[0]
 
     def whole(q, k, v):
