@@ -2,6 +2,7 @@ import gc
 import itertools
 import json
 import os
+import re
 import tempfile
 import threading
 from pathlib import Path
@@ -68,6 +69,15 @@ def all_pairs(*factors: tuple) -> list[tuple]:
 
 def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def compiled_dots(hlo: str) -> tuple[int, int]:
+    """(dots inside YNNPACK fusions, dots elsewhere: XLA's own) of a compiled program's text."""
+    bodies = dict(re.findall(r"^(%[\w.\-]+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M))
+    ynn = sum(
+        bodies[name].count(" dot(") for name in re.findall(r"calls=(%[\w.\-]+), [^\n]*\"kind\":\"__ynn_fusion\"", hlo)
+    )
+    return ynn, hlo.count(" dot(") - ynn
 
 
 def memory_maps() -> int:

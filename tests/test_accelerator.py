@@ -2,13 +2,12 @@
 the decision on fake platforms, the CPU fallback."""
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_run_overrides, write_corpus
+from conftest import compiled_dots, tiny_run_overrides, write_corpus
 from flax import nnx
 
 from transformer import accelerator, limits, sharding
@@ -173,13 +172,6 @@ def test_gpu_flags_only_where_a_gpu_will_be_used(monkeypatch):
     assert accelerator.apply_xla_gpu_flags({"JAX_PLATFORMS": "cpu"}) == []
 
 
-def _ynn_dots(hlo: str) -> int:
-    """How many of a compiled program's YNNPACK fusions compute a dot."""
-    bodies = dict(re.findall(r"^(%[\w.\-]+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M))
-    called = re.findall(r"calls=(%[\w.\-]+), [^\n]*\"kind\":\"__ynn_fusion\"", hlo)
-    return sum(" dot(" in bodies[name] for name in called)
-
-
 def test_a_cpu_step_with_experts_computes_its_dots_by_xla_not_ynnpack():
     """The trainer's steps compile with accelerator.compiler_options: on a CPU no dot of a model with
     experts is left to YNNPACK (whose batched dots run on one thread); a plain jit of the same step
@@ -193,9 +185,11 @@ def test_a_cpu_step_with_experts_computes_its_dots_by_xla_not_ynnpack():
         state = jax.eval_shape(trainer.init, jax.random.key(0))
         batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, 16), jnp.int32) for k in ("inputs", "targets")}
         args = (state, batch, default_controls())
-        assert _ynn_dots(jax.jit(trainer._train_step).lower(*args).compile().as_text()) > 0  # XLA:CPU's default
-        assert (_ynn_dots(trainer.train_step.lower(*args).compile().as_text()) == 0) == bool(options)
-        assert (_ynn_dots(trainer.eval_step.lower(state.params, batch).compile().as_text()) == 0) == bool(options)
+        assert compiled_dots(jax.jit(trainer._train_step).lower(*args).compile().as_text())[0] > 0  # XLA:CPU's default
+        assert (compiled_dots(trainer.train_step.lower(*args).compile().as_text())[0] == 0) == bool(options)
+        assert (compiled_dots(trainer.eval_step.lower(state.params, batch).compile().as_text())[0] == 0) == bool(
+            options
+        )
 
 
 def test_cpu_compiler_options_only_with_experts_on_a_cpu_and_never_against_the_user(monkeypatch):

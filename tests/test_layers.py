@@ -1,13 +1,12 @@
 """Norms, norm placement, FFNs, position encodings and initialisation."""
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build, tiny
+from conftest import build, compiled_dots, tiny
 from flax import nnx
 
 from transformer.model import Block
@@ -313,12 +312,10 @@ def test_a_cpu_weight_gradient_is_one_ynnpack_dot_with_no_transposed_gradient():
 
     def xla_dots(mine: bool) -> int:
         grad = jax.jit(jax.grad(loss, argnums=(1, 2)), static_argnums=3)
-        hlo = grad.lower(x, w_in, w_out, mine).compile().as_text()
-        bodies = dict(re.findall(r"^(%[\w.\-]+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M))
-        ynn = re.findall(r"calls=(%[\w.\-]+), [^\n]*\"kind\":\"__ynn_fusion\"", hlo)
+        ynn, xla = compiled_dots(grad.lower(x, w_in, w_out, mine).compile().as_text())
         if not ynn:
             pytest.skip("this jaxlib's XLA:CPU hands no dot to YNNPACK")
-        return hlo.count(" dot(") - sum(bodies[name].count(" dot(") for name in ynn)
+        return xla
 
     assert xla_dots(mine=False) > 0
     assert xla_dots(mine=True) == 0

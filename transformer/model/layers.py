@@ -221,12 +221,13 @@ def _cotangent_once_bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
     return (jax.lax.platform_dependent(g, cpu=_in_memory, default=lambda g: g),)
 
 
-def _in_memory(g: jax.Array) -> jax.Array:
+def _in_memory(g: jax.Array, after: jax.Array | None = None) -> jax.Array:
     """`g`, through a conditional: the one boundary XLA:CPU does not fuse across (it expands
-    `optimization_barrier` before fusing). The predicate reads one element of `g` (not a reshape,
-    which a sharded `g` would gather whole), so it is not folded away; both branches give `g`, bit
-    for bit."""
-    return jax.lax.cond(jnp.isfinite(g[(0,) * g.ndim]), lambda g: g, lambda g: g * 1.0, g)
+    `optimization_barrier` before fusing). The predicate reads one element of `after` (default `g`;
+    not a reshape, which a sharded array would gather whole), so it is not folded away and the copy
+    is not made before `after` is; both branches give `g`, bit for bit."""
+    after = g if after is None else after
+    return jax.lax.cond(jnp.isfinite(after[(0,) * after.ndim]), lambda g: g, lambda g: g * 1.0, g)
 
 
 cotangent_once.defvjp(_cotangent_once_fwd, _cotangent_once_bwd)
@@ -267,9 +268,8 @@ def _weight_gradient_operand(x_IxR: jax.Array, g_RxO: jax.Array) -> jax.Array:
     two at an FFN's output (the FFN width), and runs its own dot beside the input gradient's
     (benchmarks/README.md, issue 36). Written out as x^T, a row-major [inputs, rows] behind a
     conditional XLA does not fuse across (see `_in_memory`), the product is one YNNPACK dot. The
-    predicate reads g, so the copy is made when the gradient is, not kept from the forward pass;
-    both branches give x^T, bit for bit."""
-    return jax.lax.cond(jnp.isfinite(g_RxO[0, 0]), lambda x: x, lambda x: x * 1.0, x_IxR)
+    predicate reads g, so the copy is made when the gradient is, not kept from the forward pass."""
+    return _in_memory(x_IxR, after=g_RxO)
 
 
 project.defvjp(_project_fwd, _project_bwd)
