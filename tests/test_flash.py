@@ -10,6 +10,7 @@ import pytest
 from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.config_loader import load_config
+from transformer.model import flash
 from transformer.model.attention import attend_einsum, attention_mask
 from transformer.model.flash import CPU_CHAINS, Mask, attend_blocked, blocked_attention, blocks
 from transformer.train.trainer import Trainer, default_controls
@@ -57,6 +58,49 @@ def test_blocks_skip_only_fully_masked_keys(causal, window):
     for q0, q1, lo, hi in blocks(T, T, mask, BLOCK):
         reachable = np.flatnonzero(allowed_TxS[q0:q1].any(axis=0))
         assert (lo, hi) == (reachable[0], reachable[-1] + 1)
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (True, 9), (False, 9), (False, None)])
+def test_key_blocks_reach_only_queries_that_see_them(causal, window):
+    """A long sequence's backward pass goes over blocks of keys: each one's query range holds every
+    query its mask lets see one of the block's keys, and nothing wholly masked at its ends."""
+    mask = Mask(causal, window)
+    allowed_TxS = np.asarray(reference_mask(mask)[0])
+    for s0 in range(0, T, BLOCK):
+        q0, q1 = mask.query_range(s0, min(T, s0 + BLOCK), T)
+        reachable = np.flatnonzero(allowed_TxS[:, s0 : s0 + BLOCK].any(axis=1))
+        assert (q0, q1) == (reachable[0], reachable[-1] + 1)
+
+
+def test_long_sequences_compute_the_same_attention(monkeypatch):
+    """A long sequence (a block's products ones YNNPACK threads) has its blocks run one after another,
+    its head-major inputs put in memory once (on a CPU, behind conditionals) and its backward pass
+    over blocks of keys: the same output and gradients as the other path to float rounding, and the
+    conditionals are there."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(kq, (2, T, 2, 2, H))
+    k, v = jax.random.normal(kk, (2, T, 2, H)), jax.random.normal(kv, (2, T, 2, H))
+    cotangent = jax.random.normal(kc, q.shape)
+    mask = Mask(causal=True, window=None)
+
+    def run():
+        forward = jax.jit(lambda q, k, v: blocked_attention(q, k, v, 0.3, mask, BLOCK))
+        grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v) * cotangent), argnums=(0, 1, 2)))
+        programs = [f.lower(q, k, v).compile().as_text().count(" conditional(") for f in (forward, grads)]
+        return [forward(q, k, v), *grads(q, k, v)], programs
+
+    monkeypatch.setattr(flash, "THREADED_ITEM_FLOPS", float("inf"))
+    short, short_conditionals = run()
+    monkeypatch.setattr(flash, "THREADED_ITEM_FLOPS", 0.0)
+    long, long_conditionals = run()
+    for got, want in zip(long, short, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if jax.default_backend() == "cpu":
+        assert short_conditionals == [0, 0]
+        # the forward pass: q, k and v put in memory, and every block but the first after the one before
+        forward, backward = long_conditionals
+        assert forward == 3 + len(blocks(T, T, mask, BLOCK)) - 1
+        assert backward > forward
 
 
 def _train_losses(impl: str, window: int | None) -> list[float]:

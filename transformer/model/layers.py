@@ -221,6 +221,14 @@ def _cotangent_once_bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
     return (jax.lax.platform_dependent(g, cpu=_in_memory, default=lambda g: g),)
 
 
+def in_memory_on_cpu(x: jax.Array, after: jax.Array | None = None) -> jax.Array:
+    """`x`, bit for bit; on a CPU put in memory behind a conditional (`_in_memory`), made after
+    `after` is, so XLA neither fuses its computation into each of its readers nor starts the
+    readers before `after` exists. Other backends get `x` as it is."""
+    after = x if after is None else after
+    return jax.lax.platform_dependent(x, after, cpu=_in_memory, default=lambda x, _: x)
+
+
 def _in_memory(g: jax.Array, after: jax.Array | None = None) -> jax.Array:
     """`g`, through a conditional: the one boundary XLA:CPU does not fuse across (it expands
     `optimization_barrier` before fusing). The predicate reads one element of `after` (default `g`;
