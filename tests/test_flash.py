@@ -72,7 +72,8 @@ def test_key_blocks_reach_only_queries_that_see_them(causal, window):
         assert (q0, q1) == (reachable[0], reachable[-1] + 1)
 
 
-def test_long_sequences_compute_the_same_attention(monkeypatch):
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (True, 5), (False, 5)])
+def test_long_sequences_compute_the_same_attention(monkeypatch, causal, window):
     """A long sequence (a block's products ones YNNPACK threads) has its blocks run one after another,
     its head-major inputs put in memory once (on a CPU, behind conditionals) and its backward pass
     over blocks of keys: the same output and gradients as the other path to float rounding, and the
@@ -81,7 +82,7 @@ def test_long_sequences_compute_the_same_attention(monkeypatch):
     q = jax.random.normal(kq, (2, T, 2, 2, H))
     k, v = jax.random.normal(kk, (2, T, 2, H)), jax.random.normal(kv, (2, T, 2, H))
     cotangent = jax.random.normal(kc, q.shape)
-    mask = Mask(causal=True, window=None)
+    mask = Mask(causal, window)
 
     def run():
         forward = jax.jit(lambda q, k, v: blocked_attention(q, k, v, 0.3, mask, BLOCK))
