@@ -161,7 +161,7 @@ def _fwd(q_BxTxKxGxH, k_BxSxKxH, v_BxSxKxH, scale, mask, block):
 def _bwd(scale, mask, block, residuals, dout_BxTxKxGxH):
     """Flash attention's backward: each block's probabilities recomputed from the log-sum-exp. Long
     sequences go over blocks of keys, the rest over blocks of queries: in the train step at T=2048
-    the first was the faster (new/old 0.92-0.95, two runs of each kind), at T=256 and 512 alike;
+    the first was the faster (new/old 0.92-0.95, three runs), at T=256 and 512 alike;
     alone, attention at T=256 and 512 took 1.08-1.18x as long over keys (benchmarks/README.md)."""
     q_BxKxGxTxH, k_BxKxHxS = residuals[:2]
     if _is_long(q_BxKxGxTxH.shape[3], k_BxKxHxS.shape[3], q_BxKxGxTxH.shape[4], mask, block):
@@ -221,7 +221,7 @@ def _bwd_over_keys(scale, mask, block, residuals, dout_BxTxKxGxH):
         q0, q1 = mask.query_range(s0, s1, T)
         q_block = q_BxKxGxTxH[:, :, :, q0:q1]
         if dks:
-            q_block = _after(q_block, dks[-1], True)
+            q_block = layers.in_memory_on_cpu(q_block, after=dks[-1])
         logits_BxKxGxTxS = _logits(q_block, k_BxKxHxS, scale, mask, q0, q1, s0, s1)
         p_BxKxGxTxS = jnp.exp(logits_BxKxGxTxS - lse_BxKxGxT[..., q0:q1, None])
         dvs.append(jnp.einsum("BKGHT,BKGTS->BKHS", doutT_BxKxGxHxT[..., q0:q1], p_BxKxGxTxS))

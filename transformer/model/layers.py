@@ -218,7 +218,7 @@ def _cotangent_once_fwd(y: jax.Array) -> tuple[jax.Array, None]:
 
 
 def _cotangent_once_bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
-    return (jax.lax.platform_dependent(g, cpu=_in_memory, default=lambda g: g),)
+    return (in_memory_on_cpu(g),)
 
 
 def in_memory_on_cpu(x: jax.Array, after: jax.Array | None = None) -> jax.Array:
@@ -265,19 +265,19 @@ def _project_bwd(spec: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array
     rows = math.prod(x.shape[: x.ndim - n_in])
     x_IxR = x.reshape(rows, -1).T  # [inputs, rows]
     g_RxO = g.reshape(rows, -1)
-    x_IxR = jax.lax.platform_dependent(x_IxR, g_RxO, cpu=_weight_gradient_operand, default=lambda x, g: x)
+    x_IxR = _weight_gradient_operand(x_IxR, g_RxO)
     return dx, (x_IxR @ g_RxO).reshape(w.shape).astype(w.dtype)
 
 
 def _weight_gradient_operand(x_IxR: jax.Array, g_RxO: jax.Array) -> jax.Array:
-    """`x_IxR`, put in memory as it is, in the backward pass. Left to itself XLA:CPU computes the
+    """`x_IxR`, on a CPU put in memory as it is, in the backward pass. Left to itself XLA:CPU computes the
     weight gradient x^T g from x's [rows, inputs] layout: a product YNNPACK does not take (its
     contraction is x's leading axis), so XLA transposes g [rows, outputs] in memory, the larger of the
     two at an FFN's output (the FFN width), and runs its own dot beside the input gradient's
     (benchmarks/README.md, issue 36). Written out as x^T, a row-major [inputs, rows] behind a
     conditional XLA does not fuse across (see `_in_memory`), the product is one YNNPACK dot. The
     predicate reads g, so the copy is made when the gradient is, not kept from the forward pass."""
-    return _in_memory(x_IxR, after=g_RxO)
+    return in_memory_on_cpu(x_IxR, after=g_RxO)
 
 
 project.defvjp(_project_fwd, _project_bwd)
