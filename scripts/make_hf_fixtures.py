@@ -4,10 +4,13 @@ does not.
 
     python scripts/make_hf_fixtures.py            # write tests/fixtures/hf/<family>/, then verify
     python scripts/make_hf_fixtures.py --verify   # only verify the committed fixtures
+    python scripts/make_hf_fixtures.py --exact    # only add the float64 logits to the committed ones
 
 For each family: a random model (every weight, norm gain and bias drawn, so that a swapped or
 untransposed tensor shows in the logits), saved with `save_pretrained` (config.json,
-model.safetensors), and reference.safetensors holding input ids and transformers' float32 logits.
+model.safetensors), and reference.safetensors holding input ids, transformers' float32 logits and
+its float64 logits rounded to float32 (`logits_f64`: the exact function, which the tests compare
+against, with transformers' own float32 error as the measure of the rounding a float32 model makes).
 The llama and gpt2 fixtures also carry a small byte-level BPE tokenizer in the HF layout.
 
 Verification: each fixture imported with transformer.io.hf, exported again, loaded back with
@@ -351,11 +354,16 @@ def decoder_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(ids[:, ::-1])
 
 
-def hf_logits(path: Path, ids: np.ndarray, token_types: np.ndarray | None = None) -> np.ndarray:
+def hf_logits(
+    path: Path, ids: np.ndarray, token_types: np.ndarray | None = None, dtype: torch.dtype = torch.float32
+) -> np.ndarray:
     """transformers' logits of `ids` (an encoder-decoder's: of decoder_ids(ids), reading ids; BERT's
     of `token_types` where given)."""
     kind = json.loads((path / "config.json").read_text())["model_type"]
-    model = auto_class(kind).from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    # the eager experts: the default grouped_mm takes no float64
+    model = auto_class(kind).from_pretrained(
+        path, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    )
     model.eval()
     extra = {"decoder_input_ids": torch.from_numpy(decoder_ids(ids))} if kind in SEQ2SEQ else {}
     if token_types is not None:
@@ -406,12 +414,28 @@ def make(name: str, seed: int) -> None:
     if name == "roberta":  # it counts positions past its padding id (1): a single-segment row has none
         ids[ids == 1] = 3
     logits = hf_logits(out, ids)
-    reference = {"input_ids": ids, "logits": logits.astype(np.float32)}
+    reference = {"input_ids": ids, "logits": logits.astype(np.float32), "logits_f64": exact_logits(out, ids)}
     if getattr(config, "type_vocab_size", 1) > 1:  # BERT's segments: the second half of each row type 1
         types = (np.arange(ids.shape[1]) >= ids.shape[1] // 2).astype(np.int64)[None].repeat(len(ids), 0)
         reference |= {"token_type_ids": types, "type_logits": hf_logits(out, ids, types).astype(np.float32)}
     save_file(reference, str(out / "reference.safetensors"))
     print(f"{name}: {sum(f.stat().st_size for f in out.iterdir()) / 1e3:.0f} kB")
+
+
+def exact_logits(path: Path, ids: np.ndarray) -> np.ndarray:
+    """transformers' logits computed in float64, rounded to float32 (half an ulp, ~1e-7 here, far
+    below the float32 models' own error)."""
+    return hf_logits(path, ids, dtype=torch.float64).astype(np.float32)
+
+
+def add_exact(name: str) -> None:
+    """Add `logits_f64` to a committed fixture's reference, leaving its weights and other tensors."""
+    path = OUT / name / "reference.safetensors"
+    reference = load_file(str(path))
+    reference["logits_f64"] = exact_logits(OUT / name, reference["input_ids"])
+    save_file(reference, str(path))
+    error = np.abs(reference["logits"] - reference["logits_f64"]).max()
+    print(f"{name}: transformers' float32 logits off its float64 ones by {error:.2e}")
 
 
 def perturbed(model, seed: int):
@@ -628,7 +652,12 @@ def verify() -> bool:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--verify", action="store_true", help="only verify the committed fixtures")
+    p.add_argument("--exact", action="store_true", help="only add float64 logits to the committed fixtures")
     args = p.parse_args()
+    if args.exact:
+        for name in FIXTURES:
+            add_exact(name)
+        return 0
     if not args.verify:
         for seed, name in enumerate(FIXTURES):
             make(name, seed)
