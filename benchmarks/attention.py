@@ -1,5 +1,6 @@
-"""Causal attention alone, forward + backward: this framework's `blocked` and `xla` implementations,
-and PyTorch's fused `scaled_dot_product_attention` where torch is installed (the `benchmark` extra).
+"""Causal attention alone, forward + backward: this framework's `blocked` and `xla` implementations
+(`blocked` as the model calls it, `flash.attend_blocked`: on a CPU the batch's rows in
+`flash.CPU_CHAINS` groups), and PyTorch's fused `scaled_dot_product_attention` where torch is installed (the `benchmark` extra).
 
     python benchmarks/attention.py [--shapes B,T,N,H ...] [--rounds 6] [--calls 4]
 
@@ -23,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer.model.flash import Mask, blocked_attention
+from transformer.model.flash import Mask, attend_blocked
 
 
 def timed(f, calls: int) -> float:
@@ -43,7 +44,7 @@ def implementations(B: int, T: int, N: int, H: int) -> dict:
     scale = H**-0.5
 
     def blocked(q, k, v):
-        return jnp.sum(blocked_attention(q, k, v, scale, Mask(causal=True, window=None)) * c)
+        return jnp.sum(attend_blocked(q, k, v, scale, Mask(causal=True, window=None)) * c)
 
     def xla(q, k, v):
         out = jax.nn.dot_product_attention(q[:, :, :, 0], k, v, scale=scale, is_causal=True, implementation="xla")
