@@ -1,6 +1,7 @@
 """Causal attention alone, forward + backward: this framework's `blocked` and `xla` implementations
 (`blocked` as the model calls it, `flash.attend_blocked`: on a CPU the batch's rows in
-`flash.CPU_CHAINS` groups), and PyTorch's fused `scaled_dot_product_attention` where torch is installed (the `benchmark` extra).
+`flash.CPU_CHAINS` groups), and PyTorch's fused `scaled_dot_product_attention` where torch is
+installed (the `benchmark` extra).
 
     python benchmarks/attention.py [--shapes B,T,N,H ...] [--rounds 6] [--calls 4]
 
