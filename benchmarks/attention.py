@@ -1,6 +1,7 @@
 """Causal attention alone, forward + backward: this framework's `blocked` and `xla` implementations
-(`blocked` as the model calls it, `flash.attend_blocked`: on a CPU the batch's rows in
-`flash.CPU_CHAINS` groups), and PyTorch's fused `scaled_dot_product_attention` where torch is
+(`blocked` as the model calls it, `flash.attend_blocked`: on a CPU the fused kernel of
+model/flash_cpu.cc where it is built; `xla blocks` the blocks it falls back to,
+`flash.attend_in_chains`), and PyTorch's fused `scaled_dot_product_attention` where torch is
 installed (the `benchmark` extra).
 
     python benchmarks/attention.py [--shapes B,T,N,H ...] [--rounds 6] [--calls 4]
@@ -25,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer.model.flash import Mask, attend_blocked
+from transformer.model.flash import Mask, attend_blocked, attend_in_chains
 
 
 def timed(f, calls: int) -> float:
@@ -47,12 +48,15 @@ def implementations(B: int, T: int, N: int, H: int) -> dict:
     def blocked(q, k, v):
         return jnp.sum(attend_blocked(q, k, v, scale, Mask(causal=True, window=None)) * c)
 
+    def xla_blocks(q, k, v):
+        return jnp.sum(attend_in_chains(q, k, v, scale, Mask(causal=True, window=None)) * c)
+
     def xla(q, k, v):
         out = jax.nn.dot_product_attention(q[:, :, :, 0], k, v, scale=scale, is_causal=True, implementation="xla")
         return jnp.sum(out * c[:, :, :, 0])
 
     runs = {}
-    for name, loss in (("blocked", blocked), ("xla", xla)):
+    for name, loss in (("blocked", blocked), ("xla blocks", xla_blocks), ("xla", xla)):
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         runs[name] = lambda grad=grad: jax.block_until_ready(grad(q, k, v))
     try:

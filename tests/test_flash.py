@@ -12,7 +12,7 @@ from transformer.config import ModelConfig
 from transformer.config_loader import load_config
 from transformer.model import flash
 from transformer.model.attention import attend_einsum, attention_mask
-from transformer.model.flash import CPU_CHAINS, Mask, attend_blocked, blocked_attention, blocks
+from transformer.model.flash import CPU_CHAINS, Mask, attend_in_chains, blocked_attention, blocks
 from transformer.train.trainer import Trainer, default_controls
 
 T, H, BLOCK = 21, 8, 8  # three query blocks, the last one short
@@ -130,7 +130,7 @@ def test_train_steps_equal_xla_attention(window):
 
 @pytest.mark.parametrize("batch", [2 * CPU_CHAINS, 2 * CPU_CHAINS + 1])
 def test_attention_in_chains_is_the_blocked_attention_bit_for_bit(batch):
-    """`attend_blocked` (on a CPU the batch's rows in CPU_CHAINS interleaved groups, each its own
+    """`attend_in_chains` (on a CPU the batch's rows in CPU_CHAINS interleaved groups, each its own
     call; one call where the rows do not divide) gives blocked_attention's output and gradients
     bit for bit, each row in its place."""
     kq, kk, kv, kc = jax.random.split(jax.random.key(batch), 4)
@@ -139,7 +139,7 @@ def test_attention_in_chains_is_the_blocked_attention_bit_for_bit(batch):
     cotangent = jax.random.normal(kc, q.shape)
     mask = Mask(causal=True, window=None)
     out = {}
-    for name, attend in (("chains", attend_blocked), ("whole", blocked_attention)):
+    for name, attend in (("chains", attend_in_chains), ("whole", blocked_attention)):
         forward = jax.jit(lambda q, k, v, attend=attend: attend(q, k, v, 0.3, mask, BLOCK))
         grads = jax.jit(jax.grad(lambda q, k, v, f=forward: jnp.sum(f(q, k, v) * cotangent), argnums=(0, 1, 2)))
         out[name] = (forward(q, k, v), *grads(q, k, v))

@@ -101,9 +101,21 @@ def activation_placer(mesh: Mesh) -> Placer | None:
     mesh and no weight was gathered."""
     if mesh.size == 1:
         return None
+
+    def each_device(f, args, axes, out_axes):
+        out = jax.eval_shape(f, *args)
+        return jax.shard_map(
+            f,
+            mesh=mesh,
+            in_specs=tuple(spec(a, x.shape, mesh) for a, x in zip(axes, args, strict=True)),
+            out_specs=spec(out_axes, out.shape, mesh),
+            check_vma=False,  # f's result on a block is replicated over the mesh axes its axes do not name
+        )(*args)
+
     return Placer(
         pin=lambda x, axes: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes, x.shape, mesh))),
         row_groups=math.prod(mesh.shape[a] for a in BATCH_AXES),
+        each_device=each_device,
     )
 
 

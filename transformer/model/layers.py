@@ -35,6 +35,9 @@ class Placer(NamedTuple):
 
     pin: Callable[[jax.Array, Axes], jax.Array]  # x, whose dimensions have these logical axes, placed
     row_groups: int  # the parts the batch's rows are split into: each device's rows are one part
+    # f(*args) with each device computing f on its own block of args (dimensions with these logical
+    # axes) into its block of the result (these): see `on_each_device`
+    each_device: Callable[[Callable, tuple[jax.Array, ...], tuple[Axes, ...], Axes], jax.Array]
 
 
 _placer: contextvars.ContextVar[Placer | None] = contextvars.ContextVar("placer", default=None)
@@ -45,6 +48,15 @@ def place(x: jax.Array, axes: Axes) -> jax.Array:
     identity outside one: a single device, the model's own tests)."""
     placer = _placer.get()
     return x if placer is None else placer.pin(x, axes)
+
+
+def on_each_device(f: Callable, args: tuple[jax.Array, ...], axes: tuple[Axes, ...], out_axes: Axes) -> jax.Array:
+    """f(*args), each device computing f on its own block of `args` (whose dimensions have these
+    logical axes) into its own block of the result (`out_axes`): for work XLA cannot split itself,
+    a custom call, which it would otherwise compute whole on every device from gathered inputs. f
+    must compute each block's result from that block alone (rows from rows, heads from heads)."""
+    placer = _placer.get()
+    return f(*args) if placer is None else placer.each_device(f, args, axes, out_axes)
 
 
 def row_groups() -> int:
