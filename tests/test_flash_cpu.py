@@ -16,7 +16,7 @@ from transformer.model import flash_cpu
 from transformer.model.attention import attend_einsum, attention_mask
 from transformer.model.flash import Mask, attend_blocked
 
-built, why_not = flash_cpu.status()
+built, why_not = flash_cpu.kernel_status()
 pytestmark = pytest.mark.skipif(
     not built and shutil.which("c++") is None and shutil.which("g++") is None,
     reason=f"no C++ compiler here: {why_not}",
@@ -127,7 +127,7 @@ def test_a_compiler_that_fails_is_named_and_nothing_is_cached(monkeypatch, tmp_p
 
 
 def test_a_built_kernel_is_taken_from_the_cache(monkeypatch):
-    """The library `status` built is found again by its name (source, jaxlib, compiler, CPU): a
+    """The library `kernel_status` built is found again by its name (source, jaxlib, compiler, CPU): a
     second process does not compile it again."""
     path = flash_cpu._build()
     monkeypatch.setattr(flash_cpu, "_compile", lambda *a: pytest.fail("compiled again"))

@@ -228,6 +228,14 @@ def test_mla_losses_identical_across_meshes(corpus, tmp_path):
 
 
 @pytest.mark.slow
+def test_fused_cpu_attention_trains_to_the_same_losses_across_meshes(corpus, tmp_path):
+    """Heads 16 wide, which the fused CPU kernel (model/flash_cpu.cc) takes: inside the layer scan,
+    under remat and the gradient, each device runs it on its own rows and kv heads."""
+    meshes = [{"devices": 1}, {"devices": 4, "data": 4}, {"devices": 4, "fsdp": 2, "tensor": 2}]
+    _same_losses_across_meshes(corpus, tmp_path, meshes, "{}", ["model.n_heads=4", "model.n_kv_heads=2"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["encoder", "encoder_decoder"])
 def test_other_families_train_to_the_same_losses_across_meshes(arch, corpus, tmp_path):
     """An encoder (MLM) and an encoder-decoder (span corruption, its encoder stack and cross-attention

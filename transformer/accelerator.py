@@ -103,6 +103,18 @@ def choose_dtype(cfg: Config, platform: str) -> str:
     return "float32" if platform == "cpu" else "bfloat16"
 
 
+def _blocked_on_cpu(cfg: Config, dtype: str) -> str:
+    """Why blocked attention on a CPU, and what computes it there (the fused kernel, or why not)."""
+    from transformer.model import describe_cpu_attention  # the model's, imported only where asked for
+
+    m = cfg.model
+    heads = (m.qk_head_dim, m.v_head_dim) if m.attention == "mla" else (m.head_dim,)
+    # Measured (benchmarks/README.md): XLA's blocks as fast as xla at T=256, 2.7x the train step at
+    # T=2048; the fused kernel 2-3x faster than XLA's blocks
+    kernel = describe_cpu_attention(heads, dtype)
+    return f"CPU, static mask: blocked attention, measured faster than xla (skips masked blocks); {kernel}"
+
+
 def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
     """(implementation, why) that `model.attention_impl: auto` runs on `platform` (jax's backend
     name: cpu, gpu, tpu): cuDNN's fused flash attention on a GPU and the blocked one (model/flash.py)
@@ -126,18 +138,7 @@ def choose_attention(cfg: Config, platform: str) -> tuple[str, str]:
     ]
     if platform == "cpu":
         because = next((why for refused, why in mask_reasons if refused), None)
-        if because is not None:
-            return "xla", because
-        from transformer.model import flash_cpu  # the model's, imported only where it is asked for
-
-        heads = (m.qk_head_dim, m.v_head_dim) if m.attention == "mla" else (m.head_dim,)
-        # Measured (benchmarks/README.md): XLA's blocks as fast as xla at T=256, 2.7x the train step at
-        # T=2048; the fused kernel 2-3x faster than XLA's blocks
-        kernel = flash_cpu.describe(heads, dtype)
-        return (
-            "blocked",
-            f"CPU, static mask: blocked attention, measured faster than xla (skips masked blocks); {kernel}",
-        )
+        return ("xla", because) if because is not None else ("blocked", _blocked_on_cpu(cfg, dtype))
     reasons = [
         (platform != "gpu", f"cuDNN attention needs a GPU, this is {platform}"),
         (dtype == "float32", "cuDNN attention needs bfloat16 or float16 compute (model.dtype)"),

@@ -8,8 +8,10 @@
   over the base shape's; the residual branches' and the optimiser's by the depth over the base's;
   and how Muon reads each hidden matrix, `matrix_axes`);
 - `layers.py`: parameters with logical axes, the initialisation scales (`InitScales`), norms, FFNs;
+- `flash_cpu.py`: the fused CPU attention, forward and backward each one C++ kernel
+  (`flash_cpu.cc`) through XLA's FFI, compiled on first use and cached;
 - `flash.py`: blocked attention (`attention_impl=blocked`), causal or bidirectional, static
-  window, a custom VJP that recomputes the probabilities;
+  window, a custom VJP that recomputes the probabilities; on a CPU the fused kernel where it applies;
 - `attention.py`: self-attention, causal or bidirectional (MHA/GQA/MQA, windows, documents) and
   the KV cache;
 - `mla.py`: multi-head latent attention (an `Attention` that caches one latent and one RoPE key);
@@ -24,6 +26,7 @@
 The model places nothing on devices: it names logical axes, which `transformer/sharding.py` maps.
 """
 
+from transformer.model.flash_cpu import describe_cpu_attention
 from transformer.model.layers import Placer, placing
 from transformer.model.moe import STEP_METRICS, balance_router_bias
 from transformer.model.parametrization import OptimizerScaling, matrix_axes, optimizer_scaling
@@ -50,6 +53,7 @@ __all__ = [
     "clip_qk",
     "count_params",
     "cross_cache_bytes_per_source_token",
+    "describe_cpu_attention",
     "flops_per_token",
     "for_inference",
     "kv_cache_bytes_per_token",

@@ -4,17 +4,18 @@
 Why. XLA:CPU runs the blocked attention of flash.py as separate ops: each block's two products
 handed to YNNPACK, and between them the exponentials, the masking, the slices and the head-major
 transposes, each a pass through memory, with the two cores often idle between ops. PyTorch's CPU
-attention is one fused kernel, and was 2-3x faster than XLA's blocks in both passes. This kernel
-is that kind: per query block (forward) or per kv head (backward) it keeps its tiles in cache,
-computes the products with a register-blocked microkernel, the softmax online, and runs its items
-on XLA's own intra-op threads. Measured: benchmarks/README.md.
+attention is one fused kernel, and was 1.6-2.6x faster than XLA's blocks in both passes (Intel
+Xeon, B2/T2048 to B32/T128). This kernel is that kind: per query block (forward) or per kv head
+(backward) it keeps its operands in one piece each, computes the products with a register-blocked
+microkernel, the softmax online, and runs its items on XLA's own intra-op threads. Measured:
+benchmarks/README.md, "The fused CPU attention".
 
 Built on first use rather than at install, so that it always matches the jaxlib it runs in: the
 machine's C++ compiler (`$CXX`, else `c++`) against the FFI headers of the installed jaxlib
 (`jax.ffi.include_dir()`), with `-march=native`; the library is cached under
 `$TRANSFORMER_KERNEL_CACHE` (default `~/.cache/transformer-ablations/kernels`), named by a hash of
 the source, jaxlib's version, the compiler, its flags and the CPU. Where it cannot be built, or
-with `TRANSFORMER_FUSED_ATTENTION=0`, `status()` says why and flash.py computes with XLA's blocks.
+with `TRANSFORMER_FUSED_ATTENTION=0`, `kernel_status()` says why and flash.py computes with XLA's blocks.
 
 Scope: float32, the static masks of flash.Mask, head widths a multiple of the vector width the
 kernel was built with (16 floats with AVX-512, else 8). Each (row, kv head)'s result depends on
@@ -135,13 +136,13 @@ def _library() -> tuple[int, str]:
     return width, f"fused kernel (model/flash_cpu.cc, {width}-float vectors)"
 
 
-def status() -> tuple[bool, str]:
+def kernel_status() -> tuple[bool, str]:
     """(whether the kernel is built and loaded here, a phrase saying which or why not)."""
     width, why = _library()
     return width > 0, why
 
 
-def describe(head_dims: tuple[int, ...], dtype: str) -> str:
+def describe_cpu_attention(head_dims: tuple[int, ...], dtype: str) -> str:
     """What computes the blocked attention on this CPU for these query/key and value head widths and
     this compute dtype: the start-up line's words."""
     width, why = _library()
