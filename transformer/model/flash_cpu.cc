@@ -102,8 +102,11 @@ inline void tile(int64_t P, const float* A, int64_t ars, int64_t acs, const floa
     for (int v = 0; v < NV; ++v) store(C + r * ldc + v * W, acc[r][v]);
 }
 
-constexpr int NVMAX = 4;
-constexpr int mr_for(int nv) { return nv >= 3 ? 6 : (nv == 2 ? 12 : 14); }
+// Tiles sized to the registers, about 30 vectors of AVX-512's 32 (4 vectors across, 6 rows) and 15
+// of AVX2's 16 (or NEON's 32 halves): 2 across, 6 rows. A tile's accumulators, one vector of each
+// operand and nothing else: spilled accumulators would halve the speed.
+constexpr int NVMAX = W == 16 ? 4 : 2;
+constexpr int mr_for(int nv) { return W == 16 ? (nv >= 3 ? 6 : (nv == 2 ? 12 : 14)) : (nv == 2 ? 6 : 12); }
 
 template <int NV>
 inline void rows(int64_t M, int64_t P, const float* A, int64_t ars, int64_t acs, const float* B, int64_t ldb,
