@@ -110,7 +110,7 @@ def _blocked_on_cpu(cfg: Config, dtype: str) -> str:
     m = cfg.model
     heads = (m.qk_head_dim, m.v_head_dim) if m.attention == "mla" else (m.head_dim,)
     # Measured (benchmarks/README.md): XLA's blocks as fast as xla at T=256, 2.7x the train step at
-    # T=2048; the fused kernel 2-3x faster than XLA's blocks
+    # T=2048; the fused kernel 1.8-3.0x faster than XLA's blocks
     kernel = describe_cpu_attention(heads, dtype)
     return f"CPU, static mask: blocked attention, measured faster than xla (skips masked blocks); {kernel}"
 
