@@ -198,6 +198,9 @@ constexpr int64_t BK = 128;  // keys of a block
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The most floats a thread keeps between calls (64 MiB; long sequences' buffers are freed after use).
+constexpr size_t RETAINED = size_t(16) << 20;
+
 // A row length of at least n, a multiple of the vector width, and not a multiple of 1 KiB: rows a
 // power of two apart share the L1 cache's few sets, and the products read down such rows.
 inline int64_t padded(int64_t n) {
@@ -227,11 +230,15 @@ void forward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float*
   // every kv head's keys transposed, [B, K, H, Sp], and values, [B, K, S, Hv], each in one piece:
   // once rather than once per query block, and read along rows not a power of two apart
   const int64_t Sp = padded(S);
-  std::unique_ptr<float[]> keys_t(new float[B * K * H * Sp]), values(new float[B * K * S * Hv]);  // all written
+  // the calling thread's, kept for its next call: a fresh allocation each call faults its pages in
+  thread_local std::vector<float> packed;
+  packed.resize(B * K * (H * Sp + S * Hv));
+  float* keys_t = packed.data();
+  float* values = keys_t + B * K * H * Sp;
   parallel_for(pool, B * K, [&](int64_t item) {
     const int64_t off = (item / K * S * K + item % K);
-    pack_transposed(k + off * H, krow, S, H, keys_t.get() + item * H * Sp, Sp);
-    pack_rows(v + off * Hv, vrow, S, Hv, values.get() + item * S * Hv);
+    pack_transposed(k + off * H, krow, S, H, keys_t + item * H * Sp, Sp);
+    pack_rows(v + off * Hv, vrow, S, Hv, values + item * S * Hv);
   });
   // items: (b, kh, g, query block), the later (costlier under a causal mask) blocks first
   parallel_for(pool, B * K * G * nqb, [&](int64_t item) {
@@ -255,8 +262,8 @@ void forward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float*
     s.keys(q0, lo, hi1);
     s.keys(q1 - 1, lo1, hi);
     lo = lo / W * W;  // blocks start on a vector, so that a block's padded columns stay within Sp
-    const float* kt = keys_t.get() + (b * K + kh) * H * Sp;
-    const float* vs = values.get() + (b * K + kh) * S * Hv;
+    const float* kt = keys_t + (b * K + kh) * H * Sp;
+    const float* vs = values + (b * K + kh) * S * Hv;
     for (int64_t k0 = lo; k0 < hi; k0 += BK) {
       const int64_t nk = std::min(BK, hi - k0), ld = round_up(nk, W);
       gemm(nq, ld, H, qs, H, 1, kt + k0, Sp, sp, ld, false);
@@ -301,6 +308,7 @@ void forward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float*
       lb[i] = m[i] + std::log(l[i]);
     }
   });
+  if (packed.capacity() > RETAINED) std::vector<float>().swap(packed);
 }
 
 void backward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float* k, const float* v,
@@ -389,6 +397,7 @@ void backward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float
       std::memcpy(dk + (b * S * K + kh) * H + j * krow, dkr + j * H, H * sizeof(float));
       std::memcpy(dv + (b * S * K + kh) * Hv + j * vrow, dvr + j * Hv, Hv * sizeof(float));
     }
+    if (buf.capacity() > RETAINED) std::vector<float>().swap(buf);
   });
 }
 
