@@ -64,12 +64,15 @@ def test_values_and_gradients_equal_einsum_reference(causal, window, K, G, H, Hv
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5)
 
 
-def test_a_row_computes_the_same_in_any_batch():
+@pytest.mark.parametrize(("K", "G"), [(2, 2), (1, 4)])
+def test_a_row_computes_the_same_in_any_batch(K, G):
     """Rows are the kernel's items (no sum runs across them, whatever the threads do): row 1 of a
-    batch of three equals that row alone, output and gradients, bit for bit."""
+    batch of four equals that row alone, output and gradients, bit for bit. With MQA (K=1) on two
+    threads the row alone is one kv head, which the backward pass splits by query head, the batch
+    of four not: the key and value gradients' sums over query heads are the same either way."""
     kq, kk, kv, kc = jax.random.split(jax.random.key(3), 4)
-    q = jax.random.normal(kq, (3, T, 2, 2, 16))
-    k, v = jax.random.normal(kk, (3, T, 2, 16)), jax.random.normal(kv, (3, T, 2, 16))
+    q = jax.random.normal(kq, (4, T, K, G, 16))
+    k, v = jax.random.normal(kk, (4, T, K, 16)), jax.random.normal(kv, (4, T, K, 16))
     cotangent = jax.random.normal(kc, q.shape)
     mask = Mask(causal=True, window=None)
 

@@ -230,7 +230,8 @@ void forward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float*
   // every kv head's keys transposed, [B, K, H, Sp], and values, [B, K, S, Hv], each in one piece:
   // once rather than once per query block, and read along rows not a power of two apart
   const int64_t Sp = padded(S);
-  // the calling thread's, kept for its next call: a fresh allocation each call faults its pages in
+  // the calling thread's, kept for its next call (a fresh allocation each call faults its pages in);
+  // the items reach it through these pointers, never by name (each thread has its own `packed`)
   thread_local std::vector<float> packed;
   packed.resize(B * K * (H * Sp + S * Hv));
   float* keys_t = packed.data();
@@ -316,19 +317,29 @@ void backward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float
   const int64_t B = s.B, T = s.T, S = s.S, K = s.K, G = s.G, H = s.H, Hv = s.Hv;
   const int64_t qrow = K * G * H, krow = K * H, orow = K * G * Hv, vrow = K * Hv;
   const int64_t Sp = padded(S);
-  // items: (b, kh), which alone write their keys' and their query heads' gradients
-  parallel_for(pool, B * K, [&](int64_t item) {
-    const int64_t kh = item % K, b = item / K;
+  // items: (b, kh), or (b, kh, g) where too few (b, kh) would leave threads idle (B1 with MQA: one
+  // item). Each query head's key and value gradients are computed from zero and summed over g in
+  // order, ((g0 + g1) + g2) ..., by the item itself or, split, afterwards from `partial`: the same
+  // sums whichever the items and threads.
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const bool split = G > 1 && (B * K) % threads != 0 && B * K < 4 * threads;
+  const int64_t per_item = split ? 1 : G;
+  thread_local std::vector<float> partial;  // the calling thread's: the items reach it through `parts`
+  partial.resize(split ? B * K * G * S * (H + Hv) : 0);
+  float* parts = partial.data();
+  parallel_for(pool, B * K * G / per_item, [&](int64_t item) {
+    const int64_t g0 = item * per_item % G, kh = item * per_item / G % K, b = item * per_item / G / K;
     // every operand in one piece, its rows adjacent (in the inputs they are K*G*H apart, a power of
     // two that maps the rows a product reads onto the same few cache sets)
     thread_local std::vector<float> buf;
-    buf.resize((H + Hv) * Sp + (2 * H + Hv) * S + (2 * H + Hv + 1) * T + 2 * BQ * BK);
+    buf.resize((H + Hv) * Sp + (3 * H + 2 * Hv) * S + (2 * H + Hv + 1) * T + 2 * BQ * BK);
     float* kt = buf.data();       // [H, Sp] keys transposed
     float* vt = kt + H * Sp;      // [Hv, Sp] values transposed
     float* kr = vt + Hv * Sp;     // [S, H] keys
     float* dkr = kr + S * H;      // [S, H]
     float* dvr = dkr + S * H;     // [S, Hv]
-    float* qr = dvr + S * Hv;     // [T, H] one query head's queries, scaled as in the forward pass
+    float* sum = dvr + S * Hv;    // [S, H + Hv]: dkr and dvr summed over this item's query heads
+    float* qr = sum + S * (H + Hv);  // [T, H] one query head's queries, scaled as in the forward pass
     float* dqr = qr + T * H;      // [T, H], unscaled
     float* dor = dqr + T * H;     // [T, Hv]
     float* delta = dor + T * Hv;  // [T]
@@ -339,8 +350,8 @@ void backward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float
     pack_transposed(kbase, krow, S, H, kt, Sp);
     pack_transposed(vbase, vrow, S, Hv, vt, Sp);
     pack_rows(kbase, krow, S, H, kr);
-    std::fill(dkr, dkr + S * (H + Hv), 0.0f);
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = g0; g < g0 + per_item; ++g) {
+      std::fill(dkr, dkr + S * (H + Hv), 0.0f);
       const int64_t hoff = (b * T * K + kh) * G * H + g * H, voff = (b * T * K + kh) * G * Hv + g * Hv;
       const float* lg = lse + ((b * K + kh) * G + g) * T;
       pack_rows(dout + voff, orow, T, Hv, dor);
@@ -392,13 +403,41 @@ void backward(ffi::ThreadPool& pool, const Shape& s, const float* q, const float
         float* dqt = dq + hoff + t * qrow;
         for (int64_t h = 0; h < H; ++h) dqt[h] = dqr[t * H + h] * s.scale;
       }
+      if (split) {
+        std::memcpy(parts + item * S * (H + Hv), dkr, S * (H + Hv) * sizeof(float));
+      } else if (g == 0) {
+        std::memcpy(sum, dkr, S * (H + Hv) * sizeof(float));
+      } else {
+        for (int64_t i = 0; i < S * (H + Hv); ++i) sum[i] += dkr[i];
+      }
     }
-    for (int64_t j = 0; j < S; ++j) {
-      std::memcpy(dk + (b * S * K + kh) * H + j * krow, dkr + j * H, H * sizeof(float));
-      std::memcpy(dv + (b * S * K + kh) * Hv + j * vrow, dvr + j * Hv, Hv * sizeof(float));
+    if (!split) {
+      for (int64_t j = 0; j < S; ++j) {
+        std::memcpy(dk + (b * S * K + kh) * H + j * krow, sum + j * H, H * sizeof(float));
+        std::memcpy(dv + (b * S * K + kh) * Hv + j * vrow, sum + S * H + j * Hv, Hv * sizeof(float));
+      }
     }
     if (buf.capacity() > RETAINED) std::vector<float>().swap(buf);
   });
+  if (split) {
+    parallel_for(pool, B * K, [&](int64_t bk) {
+      const float* mine = parts + bk * G * S * (H + Hv);  // G of [S, H] then [S, Hv]
+      float* dkb = dk + (bk / K * S * K + bk % K) * H;
+      float* dvb = dv + (bk / K * S * K + bk % K) * Hv;
+      for (int64_t j = 0; j < S; ++j) {
+        float* dkj = dkb + j * krow;
+        float* dvj = dvb + j * vrow;
+        std::memcpy(dkj, mine + j * H, H * sizeof(float));
+        std::memcpy(dvj, mine + S * H + j * Hv, Hv * sizeof(float));
+        for (int64_t g = 1; g < G; ++g) {
+          const float* pg = mine + g * S * (H + Hv);
+          for (int64_t h = 0; h < H; ++h) dkj[h] += pg[j * H + h];
+          for (int64_t h = 0; h < Hv; ++h) dvj[h] += pg[S * H + j * Hv + h];
+        }
+      }
+    });
+  }
+  if (partial.capacity() > RETAINED) std::vector<float>().swap(partial);
 }
 
 Shape shape_of(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi::F32>& v, float scale, bool causal,
