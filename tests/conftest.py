@@ -23,6 +23,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -30,6 +31,7 @@ from flax import nnx
 from transformer import rundir
 from transformer.config import ModelConfig
 from transformer.model import Transformer
+from transformer.model.attention import attention_mask
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -69,6 +71,16 @@ def all_pairs(*factors: tuple) -> list[tuple]:
 
 def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def reference_mask(causal: bool, window: int | None, T: int) -> jax.Array:
+    """[1, T, T] booleans of a static attention mask written independently of flash.Mask: the
+    causal helper, or |t - s| < window."""
+    if causal:
+        return attention_mask(jnp.arange(T), jnp.arange(T), window)
+    t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    allowed = jnp.ones((T, T), bool) if window is None else jnp.abs(t - s) < window
+    return allowed[None]
 
 
 def compiled_dots(hlo: str) -> tuple[int, int]:

@@ -6,25 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import reference_mask
 
 from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.config_loader import load_config
 from transformer.model import flash
-from transformer.model.attention import attend_einsum, attention_mask
+from transformer.model.attention import attend_einsum
 from transformer.model.flash import CPU_CHAINS, Mask, attend_in_chains, blocked_attention, blocks
 from transformer.train.trainer import Trainer, default_controls
 
 T, H, BLOCK = 21, 8, 8  # three query blocks, the last one short
-
-
-def reference_mask(mask: Mask) -> jax.Array:
-    """[1, T, T] booleans written independently of Mask: the causal helper, or |t - s| < window."""
-    if mask.causal:
-        return attention_mask(jnp.arange(T), jnp.arange(T), mask.window)
-    t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    allowed = jnp.ones((T, T), bool) if mask.window is None else jnp.abs(t - s) < mask.window
-    return allowed[None]
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -42,7 +34,7 @@ def test_values_and_gradients_equal_einsum_reference(causal, window, K, G):
         return jnp.sum(blocked_attention(q, k, v, cfg.scale, mask, BLOCK) * cotangent)
 
     def einsum(q, k, v):
-        return jnp.sum(attend_einsum(q, k, v, reference_mask(mask), None, cfg, None) * cotangent)
+        return jnp.sum(attend_einsum(q, k, v, reference_mask(*mask, T), None, cfg, None) * cotangent)
 
     got = jax.value_and_grad(blocked, argnums=(0, 1, 2))(q, k, v)
     want = jax.value_and_grad(einsum, argnums=(0, 1, 2))(q, k, v)
@@ -54,7 +46,7 @@ def test_values_and_gradients_equal_einsum_reference(causal, window, K, G):
 def test_blocks_skip_only_fully_masked_keys(causal, window):
     """Each block's key range holds every key its mask allows and nothing wholly masked at its ends."""
     mask = Mask(causal, window)
-    allowed_TxS = np.asarray(reference_mask(mask)[0])
+    allowed_TxS = np.asarray(reference_mask(*mask, T)[0])
     for q0, q1, lo, hi in blocks(T, T, mask, BLOCK):
         reachable = np.flatnonzero(allowed_TxS[q0:q1].any(axis=0))
         assert (lo, hi) == (reachable[0], reachable[-1] + 1)
@@ -65,7 +57,7 @@ def test_key_blocks_reach_only_queries_that_see_them(causal, window):
     """A long sequence's backward pass goes over blocks of keys: each one's query range holds every
     query its mask lets see one of the block's keys, and nothing wholly masked at its ends."""
     mask = Mask(causal, window)
-    allowed_TxS = np.asarray(reference_mask(mask)[0])
+    allowed_TxS = np.asarray(reference_mask(*mask, T)[0])
     for s0 in range(0, T, BLOCK):
         q0, q1 = mask.query_range(s0, min(T, s0 + BLOCK), T)
         reachable = np.flatnonzero(allowed_TxS[:, s0 : s0 + BLOCK].any(axis=1))

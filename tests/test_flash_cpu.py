@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import reference_mask
 
 from transformer import accelerator
 from transformer.config import Config, DataConfig, ModelConfig
 from transformer.model import flash_cpu
-from transformer.model.attention import attend_einsum, attention_mask
+from transformer.model.attention import attend_einsum
 from transformer.model.flash import Mask, attend_blocked
 
 built, why_not = flash_cpu.kernel_status()
@@ -23,15 +24,6 @@ pytestmark = pytest.mark.skipif(
 )
 # 150 positions: three query blocks of the kernel (64 rows, the last short), two key blocks (128)
 T = 150
-
-
-def reference_mask(mask: Mask) -> jax.Array:
-    """[1, T, T] booleans written independently of Mask: the causal helper, or |t - s| < window."""
-    if mask.causal:
-        return attention_mask(jnp.arange(T), jnp.arange(T), mask.window)
-    t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    allowed = jnp.ones((T, T), bool) if mask.window is None else jnp.abs(t - s) < mask.window
-    return allowed[None]
 
 
 def test_the_kernel_builds_here():
@@ -56,7 +48,7 @@ def test_values_and_gradients_equal_einsum_reference(causal, window, K, G, H, Hv
         return jnp.sum(flash_cpu.attention(q, k, v, cfg.scale, mask) * cotangent)
 
     def einsum(q, k, v):
-        return jnp.sum(attend_einsum(q, k, v, reference_mask(mask), None, cfg, None) * cotangent)
+        return jnp.sum(attend_einsum(q, k, v, reference_mask(*mask, T), None, cfg, None) * cotangent)
 
     got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(q, k, v)
     want = jax.value_and_grad(einsum, argnums=(0, 1, 2))(q, k, v)
@@ -87,10 +79,6 @@ def test_a_row_computes_the_same_in_any_batch(K, G):
         np.testing.assert_array_equal(got[0], want[1])
 
 
-def _lowered(f, *args) -> str:
-    return jax.jit(f).lower(*args).as_text()
-
-
 def test_the_model_attention_uses_it_where_it_applies():
     """`attend_blocked` (the model's blocked attention) calls the kernel for float32 heads of a
     multiple of its vectors, and XLA's blocks for bfloat16 and for heads it cannot take."""
@@ -99,7 +87,7 @@ def test_the_model_attention_uses_it_where_it_applies():
     def call(H, dtype):
         q = jnp.zeros((2, 32, 2, 1, H), dtype)
         k = jnp.zeros((2, 32, 2, H), dtype)
-        return _lowered(lambda q, k: attend_blocked(q, k, k, 0.5, Mask(True, None)), q, k)
+        return jax.jit(lambda q, k: attend_blocked(q, k, k, 0.5, Mask(True, None))).lower(q, k).as_text()
 
     assert flash_cpu.FORWARD in call(width, jnp.float32)
     assert flash_cpu.FORWARD not in call(width, jnp.bfloat16)
