@@ -3,7 +3,9 @@ python eval.py --workdir DIR --generate "prompt" [--max-new-tokens N] [--tempera
 
 import sys
 
+from transformer.accelerator import restart_with_malloc_tunables
 from transformer.cli import eval_main
 
 if __name__ == "__main__":
+    restart_with_malloc_tunables()  # before JAX starts: glibc reads its tunables once
     sys.exit(eval_main())

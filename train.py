@@ -21,8 +21,11 @@ def _preempted_early(signum, frame):
 
 
 signal.signal(signal.SIGTERM, _preempted_early)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held across the restart below: now
 
+from transformer.accelerator import restart_with_malloc_tunables  # noqa: E402
 from transformer.cli import train_main  # noqa: E402  (after the handler: its imports take a while)
 
 if __name__ == "__main__":
+    restart_with_malloc_tunables(hold=(signal.SIGTERM,))  # before JAX starts: glibc reads its tunables once
     sys.exit(train_main())

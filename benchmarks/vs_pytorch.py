@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from transformer import sharding
+from transformer import accelerator, sharding
 from transformer.config_loader import load_config
 from transformer.train import preflight
 from transformer.train.metrics import measure_cpu_matmul_peak
@@ -225,6 +225,10 @@ def main() -> None:
         f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} ({args.threads} threads), "
         f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
         f"float32 matmul peak {peak / 1e9:.0f} GFLOP/s (measured, 512x512 in JAX)"
+    )
+    here = os.environ.get("GLIBC_TUNABLES") or "unset"
+    print(
+        f"GLIBC_TUNABLES {here} in this process (jax, torch); train.py's runs {accelerator.malloc_tunables() or here}"
     )
     sides = ["train.py", "jax", "torch"] if args.train_steps else ["jax", "torch"]
     print(f"{'shape':<8} {'L/D/heads/T/B':<16}" + "".join(f" {side + ' tok/s':>14} {'MFU':>6}" for side in sides) + "".join(

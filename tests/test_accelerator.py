@@ -203,3 +203,36 @@ def test_cpu_compiler_options_only_with_experts_on_a_cpu_and_never_against_the_u
     monkeypatch.setattr(accelerator, "CPU_COMPILER_OPTIONS", {accelerator.CPU_DOTS_OPTION: "NO_SUCH_FUSION_TYPE"})
     monkeypatch.setattr(accelerator, "_cpu_options_accepted", accelerator._cpu_options_accepted.__wrapped__)
     assert accelerator.compiler_options(moe, "cpu", {}) == {}
+
+
+def _thp(tmp_path, setting: str):
+    path = tmp_path / "enabled"
+    path.write_text(setting)
+    return path
+
+
+def test_malloc_tunables_add_huge_pages_to_what_the_user_set(tmp_path):
+    madvise = _thp(tmp_path, "always [madvise] never\n")
+    if accelerator._huge_pages_refused({}, madvise) is not None:
+        pytest.skip(accelerator._huge_pages_refused({}, madvise))  # not Linux with glibc >= 2.35
+    assert accelerator.malloc_tunables({}, madvise) == accelerator.HUGE_PAGES
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert accelerator.malloc_tunables(mine, madvise) == f"glibc.malloc.arena_max=2:{accelerator.HUGE_PAGES}"
+    # nothing to add where the user's word or the machine decides, so no restart
+    assert accelerator.malloc_tunables({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, madvise) is None
+    assert accelerator.malloc_tunables({"GLIBC_TUNABLES": accelerator.HUGE_PAGES}, madvise) is None
+    assert accelerator.malloc_tunables({accelerator.HUGE_PAGES_OFF: "0"}, madvise) is None
+    assert accelerator.malloc_tunables({}, _thp(tmp_path, "always madvise [never]\n")) is None
+    assert accelerator.malloc_tunables({}, tmp_path / "absent") is None
+
+
+def test_the_start_up_line_says_which_pages_malloc_gets(tmp_path):
+    madvise, never = _thp(tmp_path, "[madvise]"), tmp_path / "absent"
+    on = {"GLIBC_TUNABLES": accelerator.HUGE_PAGES}
+    assert "host memory in transparent huge pages" in accelerator.describe_host_memory(on, madvise)
+    assert "as GLIBC_TUNABLES=glibc.malloc.hugetlb=0 says" in accelerator.describe_host_memory(
+        {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, madvise
+    )
+    off = accelerator.describe_host_memory({accelerator.HUGE_PAGES_OFF: "0"}, madvise)
+    assert off == f"host memory in 4 KiB pages ({accelerator.HUGE_PAGES_OFF}=0)"
+    assert "4 KiB pages" in accelerator.describe_host_memory({}, never)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, tiny_run_overrides, write_corpus
 
-from transformer import sharding
+from transformer import accelerator, sharding
 from transformer.config import ConfigError, OptimConfig
 from transformer.config_loader import load_config
 from transformer.data import prepare
@@ -441,6 +441,10 @@ def test_train_cli_end_to_end(corpus, tmp_path):
     events = [json.loads(line)["event"] for line in (workdir / "events.jsonl").read_text().splitlines()]
     assert events == ["start", "end"]
     assert "unigram baseline" in out.stdout and "MFU" in out.stdout
+    # train.py restarted itself with malloc's huge pages where they do something here, and says so
+    tunables = accelerator.malloc_tunables({**os.environ, "JAX_PLATFORMS": "cpu"})
+    pages = f"transparent huge pages (GLIBC_TUNABLES={tunables})" if tunables else "host memory in"
+    assert pages in out.stdout
     # the same directory with a different config is refused (it would resume a different run)
     again = cli(f"data.source=files:{corpus}", "--workdir", str(workdir))
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1

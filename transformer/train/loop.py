@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from transformer import rundir, sharding
-from transformer.accelerator import choose_attention, choose_dtype
+from transformer.accelerator import choose_attention, choose_dtype, describe_host_memory
 from transformer.config import Config
 from transformer.data import Data, Vocab
 from transformer.errors import EXIT_FAILED, first_line
@@ -135,6 +135,8 @@ class TrainLoop:
             attention += f"attention {impl} (auto: {why}); "
         if self.trainer.compiler_options:
             attention += "dots and reductions by XLA's own kernels, not YNNPACK's (CPU, experts); "
+        if platform == "cpu":
+            attention += f"{describe_host_memory()}; "
         if self.lead:
             self.log(
                 f"{count_params(self.cfg.model):,} parameters on {self.mesh.devices.size} "
