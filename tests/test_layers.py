@@ -10,7 +10,16 @@ from conftest import build, compiled_dots, tiny
 from flax import nnx
 
 from transformer.model import Block
-from transformer.model.layers import FFN, Norm, cotangent_once, gelu_tanh, normalize, project
+from transformer.model.layers import (
+    FFN,
+    Norm,
+    copy_weight_gradient_operand,
+    cotangent_once,
+    cpu_vendor,
+    gelu_tanh,
+    normalize,
+    project,
+)
 from transformer.model.positions import sinusoidal
 
 
@@ -298,11 +307,11 @@ def test_project_refuses_what_is_not_a_projection():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's choice of dot kernels")
-def test_a_cpu_weight_gradient_is_one_ynnpack_dot_with_no_transposed_gradient():
-    """On a CPU the FFN's weight gradients compile to YNNPACK dots, with no XLA dot left in the
-    backward pass; through the plain einsum XLA computes them with its own dot on a transposed
-    copy of the gradient (the cost this avoids, benchmarks/README.md). Skipped where this jaxlib
-    hands no dot to YNNPACK."""
+def test_a_cpu_weight_gradient_is_one_ynnpack_dot_where_that_was_measured_faster():
+    """On a CPU kind where the copy of x^T was measured to pay (`copy_weight_gradient_operand`) the
+    FFN's weight gradients compile to YNNPACK dots, with no XLA dot left in the backward pass; through
+    the plain einsum, and on the other kinds, XLA computes them with its own dot (benchmarks/README.md).
+    Skipped where this jaxlib hands no dot to YNNPACK."""
     x = jax.random.normal(jax.random.key(0), (4, 64, 32))
     w_in, w_out = jax.random.normal(jax.random.key(1), (32, 128)), jax.random.normal(jax.random.key(2), (128, 32))
 
@@ -318,4 +327,13 @@ def test_a_cpu_weight_gradient_is_one_ynnpack_dot_with_no_transposed_gradient():
         return xla
 
     assert xla_dots(mine=False) > 0
-    assert xla_dots(mine=True) == 0
+    assert xla_dots(mine=True) == (0 if copy_weight_gradient_operand() else xla_dots(mine=False))
+
+
+def test_the_weight_gradient_copy_is_chosen_by_the_cpu_kind_it_was_measured_on(tmp_path):
+    intel, amd = tmp_path / "intel", tmp_path / "amd"
+    intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n")
+    amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert (cpu_vendor(intel), cpu_vendor(amd), cpu_vendor(tmp_path / "absent")) == ("GenuineIntel", "AuthenticAMD", "")
+    assert not copy_weight_gradient_operand("GenuineIntel")
+    assert copy_weight_gradient_operand("AuthenticAMD") and copy_weight_gradient_operand("")

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -281,14 +282,37 @@ def _project_bwd(spec: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array
     return dx, (x_IxR @ g_RxO).reshape(w.shape).astype(w.dtype)
 
 
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The host CPU's vendor as Linux names it (GenuineIntel, AuthenticAMD); '' where unknown."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
+
+
+@functools.cache
+def copy_weight_gradient_operand(vendor: str | None = None) -> bool:
+    """Whether a CPU step computes each projection's weight gradient x^T g from a row-major copy of
+    x^T (`layers.project`: one YNNPACK dot) rather than by XLA's own dot on x as the forward pass
+    left it. Measured per CPU kind (benchmarks/README.md), with no rule that predicts it: on AMD
+    Zen 4 the copy made the medium and t128 steps 7-11% faster (2026-12-06; XLA's dot ran on a
+    transposed copy of the gradient there); on the Intel Xeon kind XLA's dot took 4-8% less time
+    on four of vs_pytorch.py's five shapes (2026-12-07, with and without huge pages). Elsewhere
+    (unmeasured) the copy, as before."""
+    return (cpu_vendor() if vendor is None else vendor) != "GenuineIntel"
+
+
 def _weight_gradient_operand(x_IxR: jax.Array, g_RxO: jax.Array) -> jax.Array:
-    """`x_IxR`, on a CPU put in memory as it is, in the backward pass. Left to itself XLA:CPU computes the
-    weight gradient x^T g from x's [rows, inputs] layout: a product YNNPACK does not take (its
-    contraction is x's leading axis), so XLA transposes g [rows, outputs] in memory, the larger of the
-    two at an FFN's output (the FFN width), and runs its own dot beside the input gradient's
-    (benchmarks/README.md, issue 36). Written out as x^T, a row-major [inputs, rows] behind a
-    conditional XLA does not fuse across (see `_in_memory`), the product is one YNNPACK dot. The
-    predicate reads g, so the copy is made when the gradient is, not kept from the forward pass."""
+    """`x_IxR`, on a CPU where it pays (`accelerator.copy_weight_gradient_operand`: a measured
+    choice per CPU kind) put in memory as it is, in the backward pass. Left to itself XLA:CPU
+    computes the weight gradient x^T g from x's [rows, inputs] layout with its own dot: a product
+    YNNPACK does not take (its contraction is x's leading axis). Written out as x^T, a row-major
+    [inputs, rows] behind a conditional XLA does not fuse across (see `_in_memory`), the product is
+    one YNNPACK dot. The predicate reads g, so the copy is made when the gradient is, not kept from
+    the forward pass."""
+    if not copy_weight_gradient_operand():
+        return x_IxR
     return in_memory_on_cpu(x_IxR, after=g_RxO)
 
 
