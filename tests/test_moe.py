@@ -514,6 +514,25 @@ def test_expert_blocks_equal_ragged_dot_whatever_the_loads(loads):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("E", [4, 64])
+def test_ranks_in_expert_by_count_equal_the_stable_sort(E, monkeypatch):
+    """Each assignment's block row comes from how many before it chose its expert: the count (few
+    experts) and the sort (many) give its rank in a stable sort by expert, and the same loads."""
+    from transformer.model import moe
+
+    expert_M = jax.random.randint(jax.random.key(E), (1000,), 0, E).at[:300].set(E - 1)
+    order_M = np.argsort(np.asarray(expert_M), kind="stable")
+    expected_M = np.zeros(1000, np.int64)
+    expected_M[order_M] = np.arange(1000) - np.searchsorted(
+        np.asarray(expert_M)[order_M], np.asarray(expert_M)[order_M]
+    )
+    for counted in (E, E - 1):  # the count, then the sort
+        monkeypatch.setattr(moe, "COUNTED_EXPERTS", counted)
+        ahead_M, sizes_E = moe.ahead_in_expert(expert_M, E)
+        np.testing.assert_array_equal(ahead_M, expected_M)
+        np.testing.assert_array_equal(sizes_E, np.bincount(np.asarray(expert_M), minlength=E))
+
+
 def every_expert_on_every_token(moe: MoE, x_BxTxD: jax.Array) -> jax.Array:
     """The routed mixture without dispatch, differentiable: every expert's FFN on every token,
     weighed by the token's gate for it (0 where not chosen)."""
