@@ -107,8 +107,8 @@ def malloc_tunables(environ=os.environ, thp: Path = THP_SETTING) -> str | None:
     Why: XLA:CPU allocates a step's temporaries as one buffer (474 MB at benchmarks/vs_pytorch.py's
     t128), above glibc's 32 MiB ceiling for reusing freed memory, so malloc maps it afresh each step
     and the kernel faults it in page by page: 121,000 faults of 4 KiB and 0.23 s of system time a
-    step there, a fifth of the step's time on two cores. In 2 MiB pages that is 512x fewer faults;
-    the step was 20% faster (benchmarks/README.md, "Huge pages")."""
+    step there, a fifth of the step's time on two cores. In 2 MiB pages that is ~250x fewer faults;
+    the bare step was 9-14% faster on five shapes (benchmarks/README.md, "Huge pages")."""
     current = environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" in current or _huge_pages_refused(environ, thp) is not None:
         return None
