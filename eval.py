@@ -3,9 +3,10 @@ python eval.py --workdir DIR --generate "prompt" [--max-new-tokens N] [--tempera
 
 import sys
 
-from transformer.accelerator import restart_with_malloc_tunables
-from transformer.cli import eval_main
+from transformer.accelerator import restart_with_malloc_tunables  # the standard library's only
 
 if __name__ == "__main__":
-    restart_with_malloc_tunables()  # before JAX starts: glibc reads its tunables once
+    restart_with_malloc_tunables()  # before JAX and the CLI's imports: glibc reads its tunables once
+    from transformer.cli import eval_main
+
     sys.exit(eval_main())

@@ -236,3 +236,15 @@ def test_the_start_up_line_says_which_pages_malloc_gets(tmp_path):
     off = accelerator.describe_host_memory({accelerator.HUGE_PAGES_OFF: "0"}, madvise)
     assert off == f"host memory in 4 KiB pages ({accelerator.HUGE_PAGES_OFF}=0)"
     assert "4 KiB pages" in accelerator.describe_host_memory({}, never)
+
+
+def test_the_restart_comes_before_the_heavy_imports():
+    """train.py and eval.py exec themselves again once (huge pages) after importing the accelerator
+    module and nothing else of the package: all a process imports before the exec is paid twice, so
+    that module stays on the standard library (numpy, yaml, JAX and the CLI come after)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, transformer.accelerator; print(sorted({'numpy', 'yaml', 'jax', 'transformer.cli', 'transformer.config'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -25,8 +25,10 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformer.config import Config
+if TYPE_CHECKING:  # stdlib only at import: train.py and eval.py restart before their heavier imports
+    from transformer.config import Config
 
 # XLA flags for GPU runs (JAX-Toolbox's image default, MaxText's GPU configs): overlap collectives
 # with compute (the latency-hiding scheduler, pipelined FSDP all-gathers / reduce-scatters and data
