@@ -304,7 +304,7 @@ def copy_weight_gradient_operand(vendor: str | None = None) -> bool:
 
 
 def _weight_gradient_operand(x_IxR: jax.Array, g_RxO: jax.Array) -> jax.Array:
-    """`x_IxR`, on a CPU where it pays (`accelerator.copy_weight_gradient_operand`: a measured
+    """`x_IxR`, on a CPU where it pays (`copy_weight_gradient_operand`: a measured
     choice per CPU kind) put in memory as it is, in the backward pass. Left to itself XLA:CPU
     computes the weight gradient x^T g from x's [rows, inputs] layout with its own dot: a product
     YNNPACK does not take (its contraction is x's leading axis). Written out as x^T, a row-major
