@@ -20,7 +20,7 @@ from flax import nnx
 from transformer.config import ConfigError, MonitorConfig
 from transformer.config_loader import load_config
 from transformer.model.layers import ACTIVATIONS, FFN
-from transformer.model.moe import MoE
+from transformer.model.moe import MoE, capacity, capacity_slots
 from transformer.model.summary import abstract_model, active_params, count_params, expert_params
 from transformer.train.job import run
 from transformer.train.monitor import Monitor
@@ -535,28 +535,34 @@ def test_ranks_in_expert_by_count_equal_the_stable_sort(E, monkeypatch):
 
 def every_expert_on_every_token(moe: MoE, x_BxTxD: jax.Array) -> jax.Array:
     """The routed mixture without dispatch, differentiable: every expert's FFN on every token,
-    weighed by the token's gate for it (0 where not chosen)."""
+    weighed by the token's gate for it (0 where not chosen, and where a capacity drops the choice)."""
     r = moe.route(x_BxTxD)
     B, T, D = x_BxTxD.shape
     E = moe.cfg.n_experts
     x_ExMxD = jnp.broadcast_to(x_BxTxD.reshape(1, B * T, D), (E, B * T, D))
     y_ExBxTxD = moe.experts(x_ExMxD).reshape(E, B, T, D)
-    gate_BxTxE = jnp.einsum("BTKE,BTK->BTE", jax.nn.one_hot(r.expert_BxTxK, E), r.gate_BxTxK)
+    gate_BxTxK = r.gate_BxTxK
+    if moe.cfg.capacity_factor is not None:
+        X = capacity(moe.cfg, T)
+        gate_BxTxK = jnp.where(capacity_slots(r.expert_BxTxK, E, X) < E * X, gate_BxTxK, 0.0)
+    gate_BxTxE = jnp.einsum("BTKE,BTK->BTE", jax.nn.one_hot(r.expert_BxTxK, E), gate_BxTxK)
     return jnp.einsum("EBTD,BTE->BTD", y_ExBxTxD, gate_BxTxE)
 
 
-@pytest.mark.parametrize("capacity_factor,backend", [(None, "cpu"), (None, "gpu"), (1.0, "cpu")])
+@pytest.mark.parametrize("capacity_factor,backend", [(None, "cpu"), (None, "gpu"), (100.0, "cpu"), (0.5, "cpu")])
 def test_dispatch_gradients_equal_every_expert_on_every_token(capacity_factor, backend, monkeypatch):
     """The layer's gradients (input, router, experts' weights) through its dispatch equal those of
     the mixture computed without one: dropless (rows sorted, in blocks on a CPU, by ragged_dot on
-    the other backends, which this test runs on the CPU) and capacity (slot gathers, with a factor
-    that drops nothing: X = T)."""
+    the other backends, which this test runs on the CPU) and capacity (slot gathers; a factor that
+    drops nothing, X = T, and one that drops, whose dropped choices weigh nothing)."""
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    cfg = moe_cfg(top_k=2, capacity_factor=capacity_factor and 100.0)
+    cfg = moe_cfg(top_k=2, capacity_factor=capacity_factor)
     moe = MoE(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(moe, nnx.Param)
     x = jax.random.normal(jax.random.key(3), (2, 7, cfg.d_model))
     probe = jax.random.normal(jax.random.key(4), x.shape)
+    if capacity_factor == 0.5:  # X = 2 slots an expert, for 14 choices among 4 experts: some drop
+        assert float(run_moe(moe, x)[1]["layer_dropped_fraction"]) > 0.0
 
     def loss(p, x, fn):
         return jnp.sum(fn(nnx.merge(graphdef, p), x) * probe)

@@ -165,8 +165,9 @@ def _to_blocks_bwd(res, g_RxD):
 
 @jax.custom_vjp
 def from_blocks(y_RxC: jax.Array, row_M: jax.Array, assignment_R: jax.Array) -> jax.Array:
-    """Assignment m's output, block row `row_M[m]` [M, C]."""
-    return y_RxC.at[row_M].get(mode="promise_in_bounds")
+    """Assignment m's output, block row `row_M[m]` [M, C] (zeros where that is past the rows: a
+    capacity's dropped assignment)."""
+    return jnp.take(y_RxC, row_M, axis=0, mode="fill", fill_value=0)
 
 
 def _from_blocks_fwd(y_RxC, row_M, assignment_R):
@@ -281,25 +282,24 @@ class MoE(nnx.Module):
 
     def with_capacity(self, x_BxTxD: jax.Array, r: Routing) -> tuple[jax.Array, jax.Array]:
         """(output, kept mask [B, T, K]) with at most `capacity` assignments per expert and row: each
-        slot gathers its token, and each token gathers its slots' outputs (a dropped assignment's
-        slot is the zero row past them all), so no one-hot dispatch or combine tensor is made."""
+        slot gathers its token, and each assignment its slot's output (a dropped one, whose slot is
+        past them all, zeros), by the gathers of the dropless blocks, in each row: so no one-hot
+        dispatch or combine tensor is made, and no gradient is scattered into zeros."""
         B, T, D = x_BxTxD.shape
         E, X = self.cfg.n_experts, capacity(self.cfg, T)
         slot_BxTxK = capacity_slots(r.expert_BxTxK, E, X)
         K = slot_BxTxK.shape[-1]
-        # which token fills each slot (T, a zero row, where none does; the past-the-end slot is dropped)
-        tokens_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], (B, T, K))
-        rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, T, K))
-        token_BxS = jnp.full((B, E * X + 1), T, jnp.int32).at[rows, slot_BxTxK].set(tokens_BxT)[:, : E * X]
-        padded_BxTxD = jnp.concatenate([x_BxTxD, jnp.zeros((B, 1, D), x_BxTxD.dtype)], axis=1)
-        x_BxExXxD = place(
-            jnp.take_along_axis(padded_BxTxD, token_BxS[..., None], axis=1).reshape(B, E, X, D), ROW_MAJOR
-        )
+        slot_BxM = slot_BxTxK.reshape(B, T * K)
+        # which assignment fills each slot (T * K where none does; the dropped ones' slot is cut off)
+        rows_Bx1 = jnp.arange(B)[:, None]
+        assignment_BxS = jnp.full((B, E * X + 1), T * K, jnp.int32)
+        assignment_BxS = assignment_BxS.at[rows_Bx1, slot_BxM].set(jnp.arange(T * K, dtype=jnp.int32))[:, : E * X]
+        x_BxSxD = jax.vmap(to_blocks)(x_BxTxD, assignment_BxS, slot_BxM)
+        x_BxExXxD = place(x_BxSxD.reshape(B, E, X, D), ROW_MAJOR)
         x_ExBxXxD = place(x_BxExXxD.swapaxes(0, 1), EXPERT_MAJOR)
         y_ExBxXxD = place(self.experts(x_ExBxXxD.reshape(E, B * X, D)).reshape(E, B, X, D), EXPERT_MAJOR)
         y_BxSxD = place(y_ExBxXxD.swapaxes(0, 1), ROW_MAJOR).reshape(B, E * X, D)
-        y_BxSxD = jnp.concatenate([y_BxSxD, jnp.zeros((B, 1, D), y_BxSxD.dtype)], axis=1)
-        y_BxTxKxD = jnp.take_along_axis(y_BxSxD, slot_BxTxK.reshape(B, T * K)[..., None], axis=1).reshape(B, T, K, D)
+        y_BxTxKxD = jax.vmap(from_blocks)(y_BxSxD, slot_BxM, assignment_BxS).reshape(B, T, K, D)
         out_BxTxD = jnp.einsum("BTKD,BTK->BTD", y_BxTxKxD, r.gate_BxTxK.astype(x_BxTxD.dtype))
         return out_BxTxD, slot_BxTxK < E * X
 
