@@ -7,7 +7,8 @@ of 4 experts of width F/2 (capacity factor 1.25); the same top-2 dropless (`ragg
 token the same FFN parameters. The variants are timed interleaved (round r times every variant in
 turn, `--steps` steps each, after one compiled warm-up step), so load from other processes on the
 machine falls on all of them alike; the figure is the median over rounds of each variant's median
-step time, divided by the dense one's. Random token batches: this measures the step only.
+step time, divided by the dense one's. Random token batches: this measures the step only. Like
+train.py, the script restarts itself once with malloc in huge pages (`TRANSFORMER_HUGE_PAGES=0`: not).
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import statistics
 import sys
 from pathlib import Path
 
-import jax
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from transformer.accelerator import describe_host_memory, restart_with_malloc_tunables
+
+if __name__ == "__main__":  # as train.py runs: malloc's pages huge where it can (benchmarks/README.md)
+    restart_with_malloc_tunables()
+
+import jax
 from throughput import Stepper, preset_path
 
 from transformer.config_loader import load_config
@@ -60,6 +65,7 @@ def main() -> None:
     print(
         f"{jax.device_count()} {jax.default_backend()} device(s); median of {args.rounds} interleaved rounds of {args.steps} steps"
     )
+    print(describe_host_memory())
     dense = statistics.median(medians["dense"])
     for name, t in timed.items():
         step = statistics.median(medians[name])

@@ -124,9 +124,10 @@ def expert_blocks(
 ) -> jax.Array:
     """`ffn(rows, expert weights)` of every row's K assignments [S, K, D], in blocks of b rows each
     of one expert: the assignments in expert order (stable), each expert's run padded to whole
-    blocks with zeros, at most M / b + E blocks (M = S * K), so at most E * b rows more than
-    ragged_dot's; each block one batched product with its expert's weights gathered (MegaBlocks'
-    layout, Gale et al. 2022). b ~ M / 4E: a quarter of the work more at worst. Each assignment's
+    blocks with zeros, at most N = floor((M + E (b - 1)) / b) blocks (M = S * K; an expert's run
+    leaves at most b - 1 rows of its last block empty), so under E * b rows more than ragged_dot's;
+    each block one batched product with its expert's weights gathered (MegaBlocks' layout, Gale et
+    al. 2022). b ~ M / 4E: a quarter of the work more at worst. Each assignment's
     block row follows from the count of assignments ahead of it in its expert (`ahead_in_expert`);
     the rows move by one gather each way, and so do their gradients (`to_blocks`, `from_blocks`:
     each the other's transpose, where XLA's would scatter-add into zeros)."""
@@ -135,7 +136,7 @@ def expert_blocks(
     expert_M = expert_SxK.reshape(M)
     ahead_M, sizes_E = ahead_in_expert(expert_M, E)
     b = max(16, 1 << max(0, (M // (4 * E) - 1).bit_length()))
-    N = M // b + E
+    N = (M + E * (b - 1)) // b
     blocks_E = (sizes_E + b - 1) // b
     end_E = jnp.cumsum(blocks_E)
     row_M = ((end_E - blocks_E)[expert_M] * b + ahead_M).astype(jnp.int32)  # each assignment's block row
