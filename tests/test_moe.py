@@ -484,8 +484,8 @@ def test_the_balancing_rate_needs_the_choice_bias():
 @pytest.mark.parametrize("loads", [(5, 0, 27, 0), (32, 0, 0, 0), (8, 8, 8, 8), (1, 2, 3, 26)])
 def test_expert_blocks_equal_ragged_dot_whatever_the_loads(loads):
     """Dropless on a CPU: each row's assignments through their experts in blocks (sorted by expert,
-    padded runs, at most (M + E (b - 1)) / b blocks, which the last loads fill) give ragged_dot's products and gradients, empty experts
-    and a single busy one included."""
+    padded runs, at most (M + E (b - 1)) / b blocks, which the last loads fill) give ragged_dot's
+    products and gradients, empty experts and a single busy one included."""
     from transformer.model.moe import expert_blocks
 
     E, D, C, K = 4, 8, 6, 2

@@ -127,10 +127,10 @@ def expert_blocks(
     blocks with zeros, at most N = floor((M + E (b - 1)) / b) blocks (M = S * K; an expert's run
     leaves at most b - 1 rows of its last block empty), so under E * b rows more than ragged_dot's;
     each block one batched product with its expert's weights gathered (MegaBlocks' layout, Gale et
-    al. 2022). b ~ M / 4E: a quarter of the work more at worst. Each assignment's
-    block row follows from the count of assignments ahead of it in its expert (`ahead_in_expert`);
-    the rows move by one gather each way, and so do their gradients (`to_blocks`, `from_blocks`:
-    each the other's transpose, where XLA's would scatter-add into zeros)."""
+    al. 2022). b ~ M / 4E: a quarter of the work more at worst. Each assignment's block row follows
+    from the count of assignments ahead of it in its expert (`ahead_in_expert`); the rows move by
+    one gather each way, and so do their gradients (`to_blocks`, `from_blocks`: each the other's
+    transpose, where XLA's would scatter-add into zeros)."""
     S, K = expert_SxK.shape
     M = S * K
     expert_M = expert_SxK.reshape(M)
