@@ -7,7 +7,9 @@ of 4 experts of width F/2 (capacity factor 1.25); the same top-2 dropless (`ragg
 token the same FFN parameters. The variants are timed interleaved (round r times every variant in
 turn, `--steps` steps each, after one compiled warm-up step), so load from other processes on the
 machine falls on all of them alike; the figure is the median over rounds of each variant's median
-step time, divided by the dense one's. Random token batches: this measures the step only. Like
+step time, divided by the dense one's, and beside it the quartiles of the rounds' own ratios (each
+round's median over the same round's dense one; a round that caught a stall of the machine's sits
+outside them). Random token batches: this measures the step only. Like
 train.py, the script restarts itself once with malloc in huge pages (`TRANSFORMER_HUGE_PAGES=0`: not).
 """
 
@@ -69,9 +71,12 @@ def main() -> None:
     dense = statistics.median(medians["dense"])
     for name, t in timed.items():
         step = statistics.median(medians[name])
+        ratios = [a / b for a, b in zip(medians[name], medians["dense"])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0], None, ratios[0])
         total, active = count_params(t.cfg.model), active_params(t.cfg.model)
         print(
-            f"  {name:<24} {1000 * step:8.1f} ms/step  x{step / dense:5.2f}  params {total:>9,} total {active:>9,} active"
+            f"  {name:<24} {1000 * step:8.1f} ms/step  x{step / dense:5.2f} (rounds' quartiles x{q1:.2f}-{q3:.2f})"
+            f"  params {total:>9,} total {active:>9,} active"
         )
 
 
