@@ -140,11 +140,18 @@ def expert_blocks(
     blocks_E = (sizes_E + b - 1) // b
     end_E = jnp.cumsum(blocks_E)
     row_M = ((end_E - blocks_E)[expert_M] * b + ahead_M).astype(jnp.int32)  # each assignment's block row
-    assignment_R = jnp.full(N * b, M, jnp.int32).at[row_M].set(jnp.arange(M, dtype=jnp.int32))  # M: padding
+    assignment_R = filled_by(row_M, N * b)
     expert_N = jnp.minimum(jnp.sum(end_E[None, :] <= jnp.arange(N)[:, None], axis=-1), E - 1)
     x_NxbxD = to_blocks(x_SxD, assignment_R, row_M).reshape(N, b, -1)
     y_NxbxC = ffn(x_NxbxD, tuple(w[expert_N] for w in weights))
     return from_blocks(y_NxbxC.reshape(N * b, -1), row_M, assignment_R).reshape(S, K, -1)
+
+
+def filled_by(row_M: jax.Array, R: int) -> jax.Array:
+    """Which assignment fills each of R rows [R], M where none does, from each assignment's row
+    `row_M` (one past the rows, R: an assignment dropped, which fills none)."""
+    M = row_M.shape[0]
+    return jnp.full(R, M, jnp.int32).at[row_M].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
 
 
 @jax.custom_vjp
@@ -291,10 +298,7 @@ class MoE(nnx.Module):
         slot_BxTxK = capacity_slots(r.expert_BxTxK, E, X)
         K = slot_BxTxK.shape[-1]
         slot_BxM = slot_BxTxK.reshape(B, T * K)
-        # which assignment fills each slot (T * K where none does; the dropped ones' slot is cut off)
-        rows_Bx1 = jnp.arange(B)[:, None]
-        assignment_BxS = jnp.full((B, E * X + 1), T * K, jnp.int32)
-        assignment_BxS = assignment_BxS.at[rows_Bx1, slot_BxM].set(jnp.arange(T * K, dtype=jnp.int32))[:, : E * X]
+        assignment_BxS = jax.vmap(lambda slot_M: filled_by(slot_M, E * X))(slot_BxM)
         x_BxSxD = jax.vmap(to_blocks)(x_BxTxD, assignment_BxS, slot_BxM)
         x_BxExXxD = place(x_BxSxD.reshape(B, E, X, D), ROW_MAJOR)
         x_ExBxXxD = place(x_BxExXxD.swapaxes(0, 1), EXPERT_MAJOR)
