@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformer import sharding
+from transformer.accelerator import keep_step_buffers
 from transformer.config import DEFAULT_CONFIG
 from transformer.config_loader import load_config
 from transformer.model.summary import count_params, flops_per_token
@@ -53,6 +54,10 @@ class Stepper:
         self.state = self.trainer.init(jax.random.key(0))
         self.batch = self.trainer.put_batch(random_batch(cfg, np.random.default_rng(0)), cfg.train.batch_size)
         self.first = sum(self.steps(1))
+        self.buffers = None  # on a CPU, as train.py decides it: whether malloc keeps the step's buffer
+        if jax.default_backend() == "cpu":
+            compiled = self.trainer.train_step.lower(self.state, self.batch, default_controls()).compile()
+            self.buffers = keep_step_buffers(compiled.memory_analysis().temp_size_in_bytes * jax.local_device_count())
 
     def steps(self, n: int) -> list[float]:
         """Seconds of each of `n` more steps."""

@@ -2,6 +2,7 @@
 the decision on fake platforms, the CPU fallback."""
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,56 @@ def test_malloc_tunables_add_huge_pages_to_what_the_user_set(tmp_path):
     assert accelerator.malloc_tunables({accelerator.HUGE_PAGES_OFF: "0"}, madvise) is None
     assert accelerator.malloc_tunables({}, _thp(tmp_path, "always madvise [never]\n")) is None
     assert accelerator.malloc_tunables({}, tmp_path / "absent") is None
+
+
+def _meminfo(tmp_path, available_kb: int):
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       {4 * available_kb} kB\nMemAvailable:   {available_kb} kB\n")
+    return path
+
+
+def test_the_step_buffer_is_kept_only_where_it_fits_and_a_thread_heap_holds_it(tmp_path):
+    if accelerator._glibc_version() is None:
+        pytest.skip("not glibc")
+    refused, one = accelerator._keeping_refused, {"GLIBC_TUNABLES": accelerator.HUGE_PAGES}
+    small = _meminfo(tmp_path, 200_000)  # 205 MB available: 51 MB for KEEP_COPIES buffers
+    assert refused(17_000_000, one, small) is None
+    assert "exceed 1/4 of the 205 MB available" in refused(18_000_000, one, small)
+    large = _meminfo(tmp_path, 10_000_000)
+    assert refused(60_000_000, one, large) is None
+    assert refused(70_000_000, one, large) == "above the 64 MiB a thread's malloc heap holds"
+    assert refused(1_000_000, {**one, accelerator.KEEP_BUFFERS_OFF: "0"}, large) == "TRANSFORMER_KEEP_BUFFERS=0"
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=4"}
+    assert refused(1_000_000, mine, large) == "GLIBC_TUNABLES sets malloc's mapping"
+    assert "no MemAvailable" in refused(1_000_000, one, tmp_path / "absent")
+
+
+def test_a_kept_buffer_stays_in_the_process_after_it_is_freed():
+    """What keeping does: a freed 64 MB block stays in malloc's heap (the resident size keeps it),
+    where without it the block goes back to the kernel. In a fresh process: mallopt is for good."""
+    if accelerator._glibc_version() is None:
+        pytest.skip("not glibc")
+    import subprocess
+
+    script = """if True:
+        import ctypes, sys
+        from transformer import accelerator
+        if sys.argv[1] == "keep":
+            accelerator.keep_step_buffers(1)
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        resident = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+        before, size = resident(), 64 << 20
+        block = libc.malloc(size)
+        ctypes.memset(block, 1, size)
+        libc.free(block)
+        print(resident() - before)
+    """
+    grown = {}
+    for mode in ("keep", "map"):
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
+        grown[mode] = int(out.stdout.split()[-1])
+    assert grown["keep"] >= 60 << 20 and grown["map"] < 8 << 20, grown
 
 
 def test_the_start_up_line_says_which_pages_malloc_gets(tmp_path):

@@ -18,6 +18,7 @@ laptop and bf16 ones on a GPU; a comparison that must hold the numerics fixed ac
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import importlib.util
@@ -55,6 +56,15 @@ CPU_COMPILER_OPTIONS = {CPU_DOTS_OPTION: ""}
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 HUGE_PAGES_OFF = "TRANSFORMER_HUGE_PAGES"
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# glibc's mallopt parameters (malloc.h), for keeping a CPU step's buffer: see `keep_step_buffers`
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+KEEP_BUFFERS_OFF = "TRANSFORMER_KEEP_BUFFERS"
+KEEP_SHARE = 4  # what keeping may add (KEEP_COPIES buffers) may take up to 1/KEEP_SHARE of the memory available
+KEEP_COPIES = 3  # peak RSS grew by 2.7 buffers at t128 (train.py, benchmarks/README.md)
+# a thread's malloc arena grows in heaps of 64 MiB and maps any block above that whatever `mallopt`
+# says; one arena for all threads would keep them, but slowed a dropless MoE step by 40%
+THREAD_HEAP = 64 << 20
+MEMINFO = Path("/proc/meminfo")
 # objectives whose batches carry segment ids (documents, padding) whatever data.document_mask says
 SEGMENTED = ("mlm", "seq2seq", "prefix")
 
@@ -87,19 +97,26 @@ def _huge_pages_refused(environ, thp: Path) -> str | None:
         return "a GPU run (measured on CPU runs only)"
     if sys.platform != "linux":
         return f"not Linux ({sys.platform})"
-    try:
-        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""  # "glibc 2.36"; another libc (musl) raises
-    except (ValueError, OSError):
-        libc = ""
-    version = tuple(int(part) for part in libc.split()[-1].split(".")[:2]) if libc.startswith("glibc ") else ()
-    if version < (2, 35):
-        return f"malloc is not glibc >= 2.35 ({libc or 'another libc'})"
+    version = _glibc_version()
+    if version is None or version < (2, 35):
+        return f"malloc is not glibc >= 2.35 ({'glibc ' + '.'.join(map(str, version)) if version else 'another libc'})"
     try:
         if "[never]" in thp.read_text():
             return "transparent huge pages are off in this kernel (never)"
     except OSError:
         return f"no {thp}"
     return None
+
+
+def _glibc_version() -> tuple[int, ...] | None:
+    """(2, 36) under glibc 2.36; None under another libc, or off Linux."""
+    if sys.platform != "linux":
+        return None
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""  # "glibc 2.36"; another libc (musl) raises
+    except (ValueError, OSError):
+        return None
+    return tuple(int(part) for part in libc.split()[-1].split(".")[:2]) if libc.startswith("glibc ") else None
 
 
 def malloc_tunables(environ=os.environ, thp: Path = THP_SETTING) -> str | None:
@@ -132,6 +149,56 @@ def restart_with_malloc_tunables(hold: tuple[signal.Signals, ...] = ()) -> None:
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, hold)
     os.execv(sys.executable, sys.orig_argv)
+
+
+def keep_step_buffers(temporaries: int, environ=os.environ, meminfo: Path = MEMINFO) -> str:
+    """Have glibc's malloc keep a CPU step's temporaries (`temporaries` bytes, all local devices')
+    in its heap from now on, where they fit (`_keeping_refused`); what the start-up line says of it.
+
+    Why: a buffer above glibc's 32 MiB ceiling is mapped afresh at every allocation and returned to
+    the kernel when freed, so every step the kernel clears its pages again (13% of a cpu-study
+    step's samples under `perf`) and frees them (a periodic stall with huge pages). Heap memory is
+    reused instead: no `mmap` for large blocks, no trimming of the heap's top. The cost is memory:
+    the heap holds what it held at its peak, and the next step's buffer may be placed before the
+    last one's is free (KEEP_COPIES in all), hence the bound; and only a buffer below THREAD_HEAP
+    can be kept. Decided at run time (`mallopt`), once the compiled step says how large its
+    buffer is (benchmarks/README.md, "Keeping the step's buffer")."""
+    why = _keeping_refused(temporaries, environ, meminfo)
+    if why is None:
+        libc = ctypes.CDLL(None)
+        if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)):
+            why = "mallopt refused"
+    size = _megabytes(temporaries)
+    if why is not None:
+        return f"the step's {size} of temporaries mapped afresh each step ({why})"
+    more = _megabytes(KEEP_COPIES * temporaries)
+    return f"the step's {size} of temporaries kept by malloc between steps (up to {more} more memory; {KEEP_BUFFERS_OFF}=0: not)"
+
+
+def _keeping_refused(temporaries: int, environ, meminfo: Path) -> str | None:
+    """Why a CPU run's malloc does not keep the step's buffer here (None: it does)."""
+    if environ.get(KEEP_BUFFERS_OFF, "1") == "0":
+        return f"{KEEP_BUFFERS_OFF}=0"
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if any(f"glibc.malloc.{name}" in tunables for name in ("mmap_max", "trim_threshold")):
+        return "GLIBC_TUNABLES sets malloc's mapping"
+    if _glibc_version() is None:
+        return "not glibc's malloc"
+    try:
+        available = next(
+            int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines() if line.startswith("MemAvailable:")
+        )
+    except (OSError, StopIteration, ValueError, IndexError):
+        return f"no MemAvailable in {meminfo}"
+    if KEEP_COPIES * temporaries > available // KEEP_SHARE:
+        return f"{KEEP_COPIES} of them exceed 1/{KEEP_SHARE} of the {_megabytes(available)} available"
+    if temporaries >= THREAD_HEAP:
+        return f"above the {THREAD_HEAP >> 20} MiB a thread's malloc heap holds"
+    return None
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB" if n >= 1e7 else f"{n / 1e6:.2g} MB"
 
 
 def describe_host_memory(environ=os.environ, thp: Path = THP_SETTING) -> str:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from transformer import rundir, sharding
-from transformer.accelerator import choose_attention, choose_dtype, describe_host_memory
+from transformer.accelerator import choose_attention, choose_dtype, describe_host_memory, keep_step_buffers
 from transformer.config import Config
 from transformer.data import Data, Vocab
 from transformer.errors import EXIT_FAILED, first_line
@@ -104,6 +104,9 @@ class TrainLoop:
         self.downstream = downstream(cfg, self.trainer, data.objective.vocab) if downstream is not None else None
         # compiled here, ahead of the first step, to log (and check) what a device will hold
         self.train_step, self.plan = preflight.start_step(self.trainer, data.train_batch(0, *_process()))
+        self.host_buffers = None  # on a CPU, whether malloc keeps the step's buffer (decided by its size)
+        if jax.default_backend() == "cpu":
+            self.host_buffers = keep_step_buffers(self.plan.temporaries * jax.local_device_count())
         put = lambda local: self.trainer.put_batch(local, cfg.train.batch_size)
         self.feed = Feed(lambda index: data.train_batch(index, *_process()), put, cfg.data.prefetch)
         self.peak = self._announce()
@@ -135,8 +138,8 @@ class TrainLoop:
             attention += f"attention {impl} (auto: {why}); "
         if self.trainer.compiler_options:
             attention += "dots and reductions by XLA's own kernels, not YNNPACK's (CPU, experts); "
-        if platform == "cpu":
-            attention += f"{describe_host_memory()}; "
+        if self.host_buffers is not None:
+            attention += f"{describe_host_memory()}, {self.host_buffers}; "
         if self.lead:
             self.log(
                 f"{count_params(self.cfg.model):,} parameters on {self.mesh.devices.size} "
