@@ -25,8 +25,9 @@ tokenizer), for `--train-steps` steps with the default logging (every 10 steps),
 TensorBoard and checkpoint keys; its figure is the median of the `step_time` readings it logs to
 metrics.jsonl, the first (which holds the compile) left out, over all rounds. So the two figures
 can never drift apart: the bare step is what the inner loop costs, train.py what a user waits for.
-One process setting differs: train.py restarts itself with glibc's malloc in transparent huge pages
-(`accelerator.malloc_tunables`), this process (the bare step and PyTorch) runs as it was started,
+Two process settings differ: train.py restarts itself with glibc's malloc in transparent huge pages
+(`accelerator.malloc_tunables`) and has malloc keep a step's buffer below 64 MiB between steps
+(`accelerator.keep_step_buffers`); this process (the bare step and PyTorch) runs as it was started,
 as a PyTorch user's would; `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/vs_pytorch.py`
 gives both sides the huge pages. The header line says which.
 """

@@ -237,9 +237,9 @@ def test_the_step_buffer_is_kept_only_where_it_fits_and_a_thread_heap_holds_it(t
     if accelerator._glibc_version() is None:
         pytest.skip("not glibc")
     refused, one = accelerator._keeping_refused, {"GLIBC_TUNABLES": accelerator.HUGE_PAGES}
-    small = _meminfo(tmp_path, 200_000)  # 205 MB available: 51 MB for KEEP_COPIES buffers
-    assert refused(17_000_000, one, small) is None
-    assert "exceed 1/4 of the 205 MB available" in refused(18_000_000, one, small)
+    small = _meminfo(tmp_path, 200_000)  # 205 MB available: 51 MB for KEEP_COPIES (8) buffers
+    assert refused(6_000_000, one, small) is None
+    assert "8 of them exceed 1/4 of the 205 MB available" in refused(7_000_000, one, small)
     large = _meminfo(tmp_path, 10_000_000)
     assert refused(60_000_000, one, large) is None
     assert refused(70_000_000, one, large) == "above the 64 MiB a thread's malloc heap holds"
@@ -250,31 +250,42 @@ def test_the_step_buffer_is_kept_only_where_it_fits_and_a_thread_heap_holds_it(t
 
 
 def test_a_kept_buffer_stays_in_the_process_after_it_is_freed():
-    """What keeping does: a freed 64 MB block stays in malloc's heap (the resident size keeps it),
-    where without it the block goes back to the kernel. In a fresh process: mallopt is for good."""
+    """What keeping does: a 48 MB block that a thread frees stays in its malloc heap (the resident
+    size keeps it), where without it the block goes back to the kernel: mapped afresh without
+    keeping, or its emptied heap unmapped without the top pad (checked: 0 MiB kept then). In a
+    fresh process: mallopt is for good."""
     if accelerator._glibc_version() is None:
         pytest.skip("not glibc")
     import subprocess
 
     script = """if True:
-        import ctypes, sys
+        import ctypes, sys, threading
         from transformer import accelerator
         if sys.argv[1] == "keep":
             accelerator.keep_step_buffers(1)
         libc = ctypes.CDLL(None)
         libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
         resident = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
-        before, size = resident(), 64 << 20
-        block = libc.malloc(size)
-        ctypes.memset(block, 1, size)
-        libc.free(block)
+
+        held = []
+
+        def step():  # as XLA's threads allocate a step's buffer: in their own arenas, past what they hold
+            held.append(libc.malloc(24 << 20))  # so the block needs a heap of its own in the arena
+            block = libc.malloc(48 << 20)
+            ctypes.memset(block, 1, 48 << 20)
+            libc.free(block)
+
+        before = resident()
+        thread = threading.Thread(target=step)
+        thread.start()
+        thread.join()
         print(resident() - before)
     """
     grown = {}
     for mode in ("keep", "map"):
         out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
         grown[mode] = int(out.stdout.split()[-1])
-    assert grown["keep"] >= 60 << 20 and grown["map"] < 8 << 20, grown
+    assert grown["keep"] >= 46 << 20 and grown["map"] < 8 << 20, grown
 
 
 def test_the_start_up_line_says_which_pages_malloc_gets(tmp_path):

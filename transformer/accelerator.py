@@ -57,12 +57,15 @@ HUGE_PAGES = "glibc.malloc.hugetlb=1"
 HUGE_PAGES_OFF = "TRANSFORMER_HUGE_PAGES"
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # glibc's mallopt parameters (malloc.h), for keeping a CPU step's buffer: see `keep_step_buffers`
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 KEEP_BUFFERS_OFF = "TRANSFORMER_KEEP_BUFFERS"
 KEEP_SHARE = 4  # what keeping may add (KEEP_COPIES buffers) may take up to 1/KEEP_SHARE of the memory available
-KEEP_COPIES = 3  # peak RSS grew by 2.7 buffers at t128 (train.py, benchmarks/README.md)
+# a copy kept in the heap of each thread that ran a step: peak RSS grew by 0.0-0.28 GB (up to 7.5
+# buffers) for cpu-study's 37 MB one (train.py, benchmarks/README.md, "Keeping the step's buffer")
+KEEP_COPIES = 8
 # a thread's malloc arena grows in heaps of 64 MiB and maps any block above that whatever `mallopt`
-# says; one arena for all threads would keep them, but slowed a dropless MoE step by 40%
+# says (one arena for all threads would keep them, but slowed a dropless MoE step by 40%); it
+# unmaps a heap that falls empty unless the top pad is as large
 THREAD_HEAP = 64 << 20
 MEMINFO = Path("/proc/meminfo")
 # objectives whose batches carry segment ids (documents, padding) whatever data.document_mask says
@@ -158,21 +161,25 @@ def keep_step_buffers(temporaries: int, environ=os.environ, meminfo: Path = MEMI
     Why: a buffer above glibc's 32 MiB ceiling is mapped afresh at every allocation and returned to
     the kernel when freed, so every step the kernel clears its pages again (13% of a cpu-study
     step's samples under `perf`) and frees them (a periodic stall with huge pages). Heap memory is
-    reused instead: no `mmap` for large blocks, no trimming of the heap's top. The cost is memory:
-    the heap holds what it held at its peak, and the next step's buffer may be placed before the
-    last one's is free (KEEP_COPIES in all), hence the bound; and only a buffer below THREAD_HEAP
-    can be kept. Decided at run time (`mallopt`), once the compiled step says how large its
-    buffer is (benchmarks/README.md, "Keeping the step's buffer")."""
+    reused instead: no `mmap` for large blocks, no trimming of a heap's top, a top pad that keeps a
+    thread's emptied heap. The cost is memory: each heap holds what it held at its peak, a copy of
+    the buffer in each thread that ran a step (the bound counts KEEP_COPIES), and only a buffer
+    below THREAD_HEAP can be kept. Decided at run time (`mallopt`), once the compiled step says how
+    large its buffer is (benchmarks/README.md, "Keeping the step's buffer")."""
     why = _keeping_refused(temporaries, environ, meminfo)
     if why is None:
         libc = ctypes.CDLL(None)
-        if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)):
+        done = [
+            libc.mallopt(M_MMAP_MAX, 0),
+            libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1),
+            libc.mallopt(M_TOP_PAD, THREAD_HEAP),
+        ]
+        if not all(done):
             why = "mallopt refused"
     size = _megabytes(temporaries)
     if why is not None:
         return f"the step's {size} of temporaries mapped afresh each step ({why})"
-    more = _megabytes(KEEP_COPIES * temporaries)
-    return f"the step's {size} of temporaries kept by malloc between steps (up to {more} more memory; {KEEP_BUFFERS_OFF}=0: not)"
+    return f"the step's {size} of temporaries kept by malloc between steps (a copy per thread that runs steps; {KEEP_BUFFERS_OFF}=0: not)"
 
 
 def _keeping_refused(temporaries: int, environ, meminfo: Path) -> str | None:
