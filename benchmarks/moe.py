@@ -10,9 +10,8 @@ machine falls on all of them alike; the figure is the median over rounds of each
 step time, divided by the dense one's, and beside it the quartiles of the rounds' own ratios (each
 round's median over the same round's dense one; a round that caught a stall of the machine's sits
 outside them). Random token batches: this measures the step only. Like
-train.py, the script restarts itself once with malloc in huge pages and one arena
-(`TRANSFORMER_HUGE_PAGES=0`: not), and malloc keeps each step's buffer where train.py would
-(`TRANSFORMER_KEEP_BUFFERS=0`: not).
+train.py, the script restarts itself once with malloc in huge pages (`TRANSFORMER_HUGE_PAGES=0`:
+not), and malloc keeps each step's buffer where train.py would (`TRANSFORMER_KEEP_BUFFERS=0`: not).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class Stepper:
         self.buffers = None  # on a CPU, as train.py decides it: whether malloc keeps the step's buffer
         if jax.default_backend() == "cpu":
             compiled = self.trainer.train_step.lower(self.state, self.batch, default_controls()).compile()
-            self.buffers = keep_step_buffers(compiled.memory_analysis().temp_size_in_bytes * jax.local_device_count())
+            self.buffers = keep_step_buffers(compiled.memory_analysis().temp_size_in_bytes, jax.local_device_count())
 
     def steps(self, n: int) -> list[float]:
         """Seconds of each of `n` more steps."""

@@ -228,7 +228,7 @@ def test_malloc_tunables_add_huge_pages_to_what_the_user_set(tmp_path):
 
 
 def _meminfo(tmp_path, available_kb: int):
-    path = tmp_path / "meminfo"
+    path = tmp_path / f"meminfo-{available_kb}"
     path.write_text(f"MemTotal:       {4 * available_kb} kB\nMemAvailable:   {available_kb} kB\n")
     return path
 
@@ -236,13 +236,20 @@ def _meminfo(tmp_path, available_kb: int):
 def test_the_step_buffer_is_kept_only_where_it_fits_and_a_thread_heap_holds_it(tmp_path):
     if accelerator._glibc_version() is None:
         pytest.skip("not glibc")
-    refused, one = accelerator._keeping_refused, {"GLIBC_TUNABLES": accelerator.HUGE_PAGES}
+    one = {"GLIBC_TUNABLES": accelerator.HUGE_PAGES}
+
+    def refused(temporaries, environ, meminfo, devices=1):
+        return accelerator._keeping_refused(temporaries, devices, environ, meminfo)
+
     small = _meminfo(tmp_path, 200_000)  # 205 MB available: 51 MB for KEEP_COPIES (8) buffers
     assert refused(6_000_000, one, small) is None
     assert "8 of them exceed 1/4 of the 205 MB available" in refused(7_000_000, one, small)
     large = _meminfo(tmp_path, 10_000_000)
     assert refused(60_000_000, one, large) is None
     assert refused(70_000_000, one, large) == "above the 64 MiB a thread's malloc heap holds"
+    # each device's buffer is its own block; together they must fit the bound
+    assert refused(30_000_000, one, large, devices=8) is None
+    assert "8 of them exceed" in refused(6_000_000, one, small, devices=2)
     assert refused(1_000_000, {**one, accelerator.KEEP_BUFFERS_OFF: "0"}, large) == "TRANSFORMER_KEEP_BUFFERS=0"
     mine = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=4"}
     assert refused(1_000_000, mine, large) == "GLIBC_TUNABLES sets malloc's mapping"

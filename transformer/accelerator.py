@@ -154,9 +154,10 @@ def restart_with_malloc_tunables(hold: tuple[signal.Signals, ...] = ()) -> None:
     os.execv(sys.executable, sys.orig_argv)
 
 
-def keep_step_buffers(temporaries: int, environ=os.environ, meminfo: Path = MEMINFO) -> str:
-    """Have glibc's malloc keep a CPU step's temporaries (`temporaries` bytes, all local devices')
-    in its heap from now on, where they fit (`_keeping_refused`); what the start-up line says of it.
+def keep_step_buffers(temporaries: int, devices: int = 1, environ=os.environ, meminfo: Path = MEMINFO) -> str:
+    """Have glibc's malloc keep a CPU step's temporaries (`temporaries` bytes a device, on `devices`
+    local devices) in its heap from now on, where they fit (`_keeping_refused`); what the start-up
+    line says of it.
 
     Why: a buffer above glibc's 32 MiB ceiling is mapped afresh at every allocation and returned to
     the kernel when freed, so every step the kernel clears its pages again (13% of a cpu-study
@@ -166,7 +167,7 @@ def keep_step_buffers(temporaries: int, environ=os.environ, meminfo: Path = MEMI
     the buffer in each thread that ran a step (the bound counts KEEP_COPIES), and only a buffer
     below THREAD_HEAP can be kept. Decided at run time (`mallopt`), once the compiled step says how
     large its buffer is (benchmarks/README.md, "Keeping the step's buffer")."""
-    why = _keeping_refused(temporaries, environ, meminfo)
+    why = _keeping_refused(temporaries, devices, environ, meminfo)
     if why is None:
         libc = ctypes.CDLL(None)
         done = [
@@ -176,13 +177,13 @@ def keep_step_buffers(temporaries: int, environ=os.environ, meminfo: Path = MEMI
         ]
         if not all(done):
             why = "mallopt refused"
-    size = _megabytes(temporaries)
+    size = _megabytes(temporaries) + (f" x {devices} devices" if devices > 1 else "")
     if why is not None:
-        return f"the step's {size} of temporaries mapped afresh each step ({why})"
-    return f"the step's {size} of temporaries kept by malloc between steps (a copy per thread that runs steps; {KEEP_BUFFERS_OFF}=0: not)"
+        return f"the step's temporaries ({size}) mapped afresh each step ({why})"
+    return f"the step's temporaries ({size}) kept by malloc between steps (a copy per thread that runs steps; {KEEP_BUFFERS_OFF}=0: not)"
 
 
-def _keeping_refused(temporaries: int, environ, meminfo: Path) -> str | None:
+def _keeping_refused(temporaries: int, devices: int, environ, meminfo: Path) -> str | None:
     """Why a CPU run's malloc does not keep the step's buffer here (None: it does)."""
     if environ.get(KEEP_BUFFERS_OFF, "1") == "0":
         return f"{KEEP_BUFFERS_OFF}=0"
@@ -197,7 +198,7 @@ def _keeping_refused(temporaries: int, environ, meminfo: Path) -> str | None:
         )
     except (OSError, StopIteration, ValueError, IndexError):
         return f"no MemAvailable in {meminfo}"
-    if KEEP_COPIES * temporaries > available // KEEP_SHARE:
+    if KEEP_COPIES * temporaries * devices > available // KEEP_SHARE:
         return f"{KEEP_COPIES} of them exceed 1/{KEEP_SHARE} of the {_megabytes(available)} available"
     if temporaries >= THREAD_HEAP:
         return f"above the {THREAD_HEAP >> 20} MiB a thread's malloc heap holds"

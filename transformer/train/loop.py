@@ -106,7 +106,7 @@ class TrainLoop:
         self.train_step, self.plan = preflight.start_step(self.trainer, data.train_batch(0, *_process()))
         self.host_buffers = None  # on a CPU, whether malloc keeps the step's buffer (decided by its size)
         if jax.default_backend() == "cpu":
-            self.host_buffers = keep_step_buffers(self.plan.temporaries * jax.local_device_count())
+            self.host_buffers = keep_step_buffers(self.plan.temporaries, jax.local_device_count())
         put = lambda local: self.trainer.put_batch(local, cfg.train.batch_size)
         self.feed = Feed(lambda index: data.train_batch(index, *_process()), put, cfg.data.prefetch)
         self.peak = self._announce()
