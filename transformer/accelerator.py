@@ -177,10 +177,9 @@ def keep_step_buffers(temporaries: int, devices: int = 1, environ=os.environ, me
         ]
         if not all(done):
             why = "mallopt refused"
-    size = _megabytes(temporaries) + (f" x {devices} devices" if devices > 1 else "")
     if why is not None:
-        return f"the step's temporaries ({size}) mapped afresh each step ({why})"
-    return f"the step's temporaries ({size}) kept by malloc between steps (a copy per thread that runs steps; {KEEP_BUFFERS_OFF}=0: not)"
+        return f"the step's temporaries ({_megabytes(temporaries)}) mapped afresh each step ({why})"
+    return f"the step's temporaries ({_megabytes(temporaries)}) kept by malloc between steps (a copy per thread that runs steps; {KEEP_BUFFERS_OFF}=0: not)"
 
 
 def _keeping_refused(temporaries: int, devices: int, environ, meminfo: Path) -> str | None:
@@ -200,7 +199,7 @@ def _keeping_refused(temporaries: int, devices: int, environ, meminfo: Path) -> 
         return f"no MemAvailable in {meminfo}"
     if devices > 1:  # measured on one device only; the several-device tests then saw a collective time out
         return f"{devices} local devices"
-    if KEEP_COPIES * temporaries * devices > available // KEEP_SHARE:
+    if KEEP_COPIES * temporaries > available // KEEP_SHARE:
         return f"{KEEP_COPIES} of them exceed 1/{KEEP_SHARE} of the {_megabytes(available)} available"
     if temporaries >= THREAD_HEAP:
         return f"above the {THREAD_HEAP >> 20} MiB a thread's malloc heap holds"
