@@ -299,7 +299,7 @@ def copy_weight_gradient_operand(vendor: str | None = None) -> bool:
     Zen 4 the copy made the medium and t128 steps 7-11% faster (2026-12-06; XLA's dot ran on a
     transposed copy of the gradient there); on the Intel Xeon kind XLA's dot took 4-8% less time
     on four of vs_pytorch.py's five shapes (2026-12-07, with and without huge pages); on Zen 4
-    again, with huge pages and the fused attention, the copy still took 4-13% off t128's step
+    again, with huge pages and the fused attention, the copy still took 3-13% off t128's step
     (2026-12-07). Elsewhere (unmeasured) the copy, as before."""
     return (cpu_vendor() if vendor is None else vendor) != "GenuineIntel"
 
