@@ -26,8 +26,9 @@ TensorBoard and checkpoint keys; its figure is the median of the `step_time` rea
 metrics.jsonl, the first (which holds the compile) left out, over all rounds. So the two figures
 can never drift apart: the bare step is what the inner loop costs, train.py what a user waits for.
 Two process settings differ: train.py restarts itself with glibc's malloc in transparent huge pages
-(`accelerator.malloc_tunables`) and has malloc keep a step's buffer below 64 MiB between steps
-(`accelerator.keep_step_buffers`); this process (the bare step and PyTorch) runs as it was started,
+(`accelerator.malloc_tunables`) and has malloc keep a step's buffer between steps
+(`accelerator.keep_step_buffers`: below 64 MiB in glibc's heap, above by the preloaded
+keep_blocks.c); this process (the bare step and PyTorch) runs as it was started,
 as a PyTorch user's would; `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/vs_pytorch.py`
 gives both sides the huge pages. The header line says which.
 """
@@ -231,9 +232,10 @@ def main() -> None:
         f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
         f"float32 matmul peak {peak / 1e9:.0f} GFLOP/s (measured, 512x512 in JAX)"
     )
-    here = os.environ.get("GLIBC_TUNABLES") or "unset"
+    here, theirs = os.environ.get("GLIBC_TUNABLES") or "unset", accelerator.malloc_environment()
     print(
-        f"GLIBC_TUNABLES {here} in this process (jax, torch); train.py's runs {accelerator.malloc_tunables() or here}"
+        f"GLIBC_TUNABLES {here} in this process (jax, torch); train.py's runs {theirs.get('GLIBC_TUNABLES', here)}"
+        + (", keep_blocks.c preloaded" if "LD_PRELOAD" in theirs else "")
     )
     sides = ["train.py", "jax", "torch"] if args.train_steps else ["jax", "torch"]
     print(f"{'shape':<8} {'L/D/heads/T/B':<16}" + "".join(f" {side + ' tok/s':>14} {'MFU':>6}" for side in sides) + "".join(

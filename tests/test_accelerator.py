@@ -2,6 +2,7 @@
 the decision on fake platforms, the CPU fallback."""
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -245,14 +246,163 @@ def test_the_step_buffer_is_kept_only_where_it_fits_and_a_thread_heap_holds_it(t
     small = _meminfo(tmp_path, 200_000)  # 205 MB available: 51 MB for KEEP_COPIES (8) buffers
     assert refused(6_000_000, one, small) is None
     assert "8 of them exceed 1/4 of the 205 MB available" in refused(7_000_000, one, small)
-    large = _meminfo(tmp_path, 10_000_000)
+    large = _meminfo(tmp_path, 10_000_000)  # 10.2 GB available: 2.56 GB for KEEP_LARGE_COPIES (2)
     assert refused(60_000_000, one, large) is None
-    assert refused(70_000_000, one, large) == "above the 64 MiB a thread's malloc heap holds"
     assert refused(1_000_000, one, large, devices=4) == "4 local devices"  # one device only, as measured
     assert refused(1_000_000, {**one, accelerator.KEEP_BUFFERS_OFF: "0"}, large) == "TRANSFORMER_KEEP_BUFFERS=0"
     mine = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=4"}
     assert refused(1_000_000, mine, large) == "GLIBC_TUNABLES sets malloc's mapping"
     assert "no MemAvailable" in refused(1_000_000, one, tmp_path / "absent")
+
+
+def test_a_buffer_too_large_for_a_heap_is_parked_where_the_library_is_preloaded(tmp_path, monkeypatch):
+    if accelerator._glibc_version() is None:
+        pytest.skip("not glibc")
+    one, large = {"GLIBC_TUNABLES": accelerator.HUGE_PAGES}, _meminfo(tmp_path, 10_000_000)
+    monkeypatch.setattr(accelerator, "_keep_library_loaded", lambda: True)
+    assert accelerator._keeping_refused(70_000_000, 1, one, large) is None
+    assert accelerator._keeping_refused(1_200_000_000, 1, one, large) is None
+    assert "2 of them exceed 1/4 of the 10,240 MB available" in accelerator._keeping_refused(
+        1_300_000_000, 1, one, large
+    )
+    assert accelerator._keeping_refused(70_000_000, 2, one, large) == "2 local devices"
+    monkeypatch.setattr(accelerator, "_keep_library_loaded", lambda: False)
+    why = accelerator._keeping_refused(70_000_000, 1, one, large)
+    assert why.startswith("above the 64 MiB a thread's malloc heap holds, and keep_blocks.c is not preloaded: ")
+    no_compiler = accelerator._keeping_refused(70_000_000, 1, {**one, "CC": str(tmp_path / "no-cc")}, large)
+    assert "keep_blocks.c is not preloaded: " in no_compiler and "no-cc" in no_compiler
+
+
+def _keep_library() -> str:
+    library, why = accelerator.keep_library()
+    if library is None:
+        pytest.skip(f"keep_blocks.c not built here: {why}")
+    return str(library)
+
+
+def test_the_library_hands_a_parked_block_back_to_the_next_allocation_of_its_size():
+    """keep_blocks.c, preloaded into a fresh process: switched on, a freed 6 MiB block comes back
+    with its contents (the same pages, not a fresh zeroed map) to the next request of its size, not
+    to an aligned request its address does not meet, and what stays parked keeps to the budget,
+    oldest out first; switched off, or never on, every call is glibc's."""
+    import subprocess
+
+    script = """if True:
+        import ctypes, sys
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+        libc.transformer_keep_blocks.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+        def stats():
+            out = (ctypes.c_long * 4)()
+            libc.transformer_keep_blocks_stats(out)
+            return list(out)  # hits, misses, blocks parked, bytes parked
+        MiB = 1 << 20
+        if sys.argv[1] == "on":
+            libc.transformer_keep_blocks(4 * MiB, 20 * MiB)
+        p = libc.malloc(6 * MiB)
+        ctypes.memset(p, 7, 6 * MiB)
+        libc.free(p)
+        q = libc.malloc(6 * MiB)
+        print("back", q == p, ctypes.string_at(q, 1)[0], stats())
+        libc.free(q)
+        aligned = ctypes.c_void_p()
+        assert libc.posix_memalign(ctypes.byref(aligned), 4096, 5 * MiB) == 0
+        print("aligned", aligned.value == q, aligned.value % 4096, stats())
+        libc.free(aligned.value)
+        small = libc.malloc(3 * MiB)
+        libc.free(small)
+        print("small", stats())
+        big = libc.malloc(12 * MiB)
+        libc.free(big)
+        print("budget", stats())
+        libc.transformer_keep_blocks(4 * MiB, 0)
+        print("off", stats())
+        r = libc.malloc(12 * MiB)
+        libc.free(r)
+        print("after", stats())
+    """
+
+    def run(mode):
+        env = {**os.environ, "LD_PRELOAD": _keep_library()}
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return dict(line.partition(" ")[::2] for line in out.stdout.splitlines())
+
+    MiB = 1 << 20
+    on = run("on")
+    assert on["back"].startswith("True 7 [1, 1, 0, 0]"), on  # the first 6 MiB missed, the second was served
+    # 4096-aligned: the parked block (glibc's mapped block, 16 past a page) does not meet it
+    assert on["aligned"].startswith("False 0 [1, 2, 1,"), on
+    counts = {key: json.loads(line[line.index("[") :]) for key, line in on.items()}  # hits, misses, blocks, bytes
+    hits, _, n, parked = counts["small"]  # 3 MiB: below `from`, neither served nor parked
+    assert (hits, n) == (1, 2) and 11 * MiB <= parked < 12 * MiB, on  # the 6 and 5 MiB blocks
+    hits, _, n, parked = counts["budget"]
+    assert (hits, n) == (1, 2) and 17 * MiB <= parked < 18 * MiB, on  # 6 + 5 + 12 > 20: the oldest, 6, out
+    assert counts["off"][2:] == [0, 0] and counts["after"] == counts["off"], on  # off: nothing parked or served
+    off = run("off")
+    assert off["back"].startswith("False 0 ") or off["back"].startswith("True 0 "), off  # a fresh, zeroed map
+    assert all(line.endswith("[0, 0, 0, 0]") for line in off.values()), off
+
+
+def test_the_restart_preloads_the_library_and_a_large_step_buffer_switches_it_on():
+    """train.py's restart (one exec) preloads keep_blocks.c, leaves it out of its children's
+    LD_PRELOAD, and `keep_step_buffers` with a 100 MB buffer switches it on: a thread's freed
+    100 MB block comes back with its contents. TRANSFORMER_KEEP_BUFFERS=0: nothing preloaded."""
+    import subprocess
+
+    _keep_library()
+    script = """if True:
+        import ctypes, os, threading
+        from transformer import accelerator
+        accelerator.restart_with_malloc_tunables()
+        print("children", os.environ.get("LD_PRELOAD", ""))
+        print("line", accelerator.keep_step_buffers(100_000_000))
+        if accelerator._keep_library_loaded():
+            libc = ctypes.CDLL(None)
+            libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+            libc.free.argtypes = [ctypes.c_void_p]
+            seen = []
+            def step():
+                block = libc.malloc(100_000_000)
+                seen.append(ctypes.string_at(block, 1)[0])
+                ctypes.memset(block, 5, 100_000_000)
+                libc.free(block)
+            for _ in range(2):
+                thread = threading.Thread(target=step)
+                thread.start()
+                thread.join()
+            print("seen", seen)
+    """
+    environ = {k: v for k, v in os.environ.items() if k not in (accelerator.KEEP_BUFFERS_OFF, "LD_PRELOAD")}
+    environ["JAX_PLATFORMS"] = "cpu"
+    out = {}
+    for mode, env in (("on", environ), ("off", {**environ, accelerator.KEEP_BUFFERS_OFF: "0"})):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out[mode] = dict(line.partition(" ")[::2] for line in done.stdout.splitlines())
+    assert out["on"]["children"] == "", out
+    assert "parked between steps (keep_blocks.c, up to 2 of them" in out["on"]["line"], out
+    assert out["on"]["seen"] == "[0, 5]", out  # the second step got the first one's pages back
+    assert out["off"]["line"].endswith("(TRANSFORMER_KEEP_BUFFERS=0)") and "seen" not in out["off"], out
+
+
+def test_the_restart_environment_names_the_library_once(tmp_path):
+    if accelerator._glibc_version() is None:
+        pytest.skip("not glibc")
+    library = _keep_library()
+    cpu = {"JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert accelerator.malloc_environment(cpu) == {"LD_PRELOAD": library}
+    assert accelerator.malloc_environment({**cpu, "LD_PRELOAD": "/lib/other.so"}) == {
+        "LD_PRELOAD": f"/lib/other.so {library}"
+    }
+    assert accelerator.malloc_environment({**cpu, "LD_PRELOAD": library}) == {}  # ld.so refused it: no loop
+    assert accelerator.malloc_environment({**cpu, accelerator.KEEP_BUFFERS_OFF: "0"}) == {}
+    none, why = accelerator.keep_library({"CC": str(tmp_path / "no-cc")})
+    assert none is None and "no-cc" in why
+    none, why = accelerator.keep_library({"CC": "false"})
+    assert none is None and why.startswith("false failed"), why
 
 
 def test_a_kept_buffer_stays_in_the_process_after_it_is_freed():

@@ -21,10 +21,14 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,6 +72,12 @@ KEEP_COPIES = 8
 # unmaps a heap that falls empty unless the top pad is as large
 THREAD_HEAP = 64 << 20
 MEMINFO = Path("/proc/meminfo")
+# a buffer above THREAD_HEAP: parked between steps by a library preloaded into train.py and eval.py
+KEEP_LIBRARY = Path(__file__).with_name("keep_blocks.c")
+KEEP_LIBRARY_FLAGS = ("-O2", "-fPIC", "-shared", "-pthread")
+KEEP_LIBRARY_ON = "transformer_keep_blocks"  # its switch (keep_blocks.c)
+MMAP_CEILING = 32 << 20  # glibc maps every block above this afresh (its mmap threshold's 64-bit maximum)
+KEEP_LARGE_COPIES = 2  # what the library may hold parked: two step buffers
 # objectives whose batches carry segment ids (documents, padding) whatever data.document_mask says
 SEGMENTED = ("mlm", "seq2seq", "prefix")
 
@@ -137,17 +147,104 @@ def malloc_tunables(environ=os.environ, thp: Path = THP_SETTING) -> str | None:
     return ":".join(part for part in (current, HUGE_PAGES) if part)
 
 
+def malloc_environment(environ=os.environ, thp: Path = THP_SETTING) -> dict[str, str]:
+    """What `restart_with_malloc_tunables` adds to the environment of a CPU run: GLIBC_TUNABLES
+    (`malloc_tunables`), and LD_PRELOAD with the library that keeps large step buffers
+    (keep_blocks.c, off until `keep_step_buffers` switches it on) where it can be built and is not
+    loaded yet. Empty where there is nothing to add."""
+    changes = {}
+    tunables = malloc_tunables(environ, thp)
+    if tunables is not None:
+        changes["GLIBC_TUNABLES"] = tunables
+    if _preload_refused(environ) is None and not _keep_library_loaded():
+        library, _ = keep_library(environ)
+        preloaded = environ.get("LD_PRELOAD", "")
+        if library is not None and str(library) not in preloaded:  # in it already: ld.so refused it, no second exec
+            changes["LD_PRELOAD"] = " ".join(part for part in (preloaded, str(library)) if part)
+    return changes
+
+
+def _preload_refused(environ) -> str | None:
+    """Why train.py does not preload keep_blocks.c here (None: it does)."""
+    if environ.get(KEEP_BUFFERS_OFF, "1") == "0":
+        return f"{KEEP_BUFFERS_OFF}=0"
+    if gpu_available(environ):
+        return "a GPU run"
+    if _glibc_version() is None:
+        return "not glibc's malloc"
+    return None
+
+
+def _keep_library_loaded() -> bool:
+    """Is keep_blocks.c in this process (preloaded: loaded later, it would not see glibc's calls)?"""
+    return _glibc_version() is not None and hasattr(ctypes.CDLL(None), KEEP_LIBRARY_ON)
+
+
+def kernel_cache() -> Path:
+    """Where the libraries this package compiles on first use are kept (keep_blocks.c here, the
+    fused CPU attention in model/flash_cpu.py)."""
+    default = Path.home() / ".cache" / "transformer-ablations" / "kernels"
+    return Path(os.environ.get("TRANSFORMER_KERNEL_CACHE", default))
+
+
+def compile_library(command: list[str], target: Path) -> str | None:
+    """Run a compiler's `command` with `-o` a file beside `target`, then move it there: processes
+    building at once each write their own file and the last rename wins, an identical library.
+    None once built; else the compiler's last line of complaint."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            return f"{command[0]} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+        os.replace(tmp, target)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def keep_library(environ=os.environ) -> tuple[Path | None, str]:
+    """(keep_blocks.c built, "") or (None, why it cannot be): compiled on first use by the machine's
+    C compiler (`$CC`, else `cc`) and cached in `kernel_cache()`, named by a hash of the source, the
+    compiler, its flags and glibc's version."""
+    compiler = environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        return None, "no C compiler (set CC)"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+        key = "\0".join((KEEP_LIBRARY.read_text(), version, " ".join(KEEP_LIBRARY_FLAGS), str(_glibc_version())))
+        target = kernel_cache() / f"keep_blocks-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+        failure = (
+            None if target.exists() else compile_library([compiler, *KEEP_LIBRARY_FLAGS, str(KEEP_LIBRARY)], target)
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{compiler}: {e}"
+    return (None, failure) if failure else (target, "")
+
+
 def restart_with_malloc_tunables(hold: tuple[signal.Signals, ...] = ()) -> None:
-    """Re-execute this Python command with `malloc_tunables()` set, where they add something: glibc
-    reads them once, when a process starts. An exec, before anything but imports has run: the same
-    process id, arguments and standard streams. The signals in `hold` are blocked across it, so one
-    that arrives meanwhile waits, pending, for the new image to install its handler and unblock
-    them. For train.py and eval.py's own processes: a process that imported the package (a
-    notebook, the tests) is never replaced."""
-    tunables = malloc_tunables()
-    if tunables is None:
+    """Re-execute this Python command with `malloc_environment()` set, where it adds something:
+    glibc reads its tunables once, when a process starts, and only a preloaded library replaces
+    its malloc. An exec, before anything but imports has run: the same process id, arguments and
+    standard streams. The signals in `hold` are blocked across it, so one that arrives meanwhile
+    waits, pending, for the new image to install its handler and unblock them. For train.py and
+    eval.py's own processes: a process that imported the package (a notebook, the tests) is never
+    replaced. Once the library is in, it is taken out of LD_PRELOAD again, so the processes this
+    one starts (a compiler, a sweep's members) start without it."""
+    if _keep_library_loaded():
+        kept = [
+            part for part in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "keep_blocks-" not in part
+        ]
+        if kept:
+            os.environ["LD_PRELOAD"] = " ".join(kept)
+        else:
+            os.environ.pop("LD_PRELOAD", None)
+    changes = malloc_environment()
+    if not changes:
         return
-    os.environ["GLIBC_TUNABLES"] = tunables
+    os.environ.update(changes)
     sys.stdout.flush()
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, hold)
@@ -155,19 +252,29 @@ def restart_with_malloc_tunables(hold: tuple[signal.Signals, ...] = ()) -> None:
 
 
 def keep_step_buffers(temporaries: int, devices: int = 1, environ=os.environ, meminfo: Path = MEMINFO) -> str:
-    """Have glibc's malloc keep a CPU step's temporaries (`temporaries` bytes a device, on `devices`
-    local devices) in its heap from now on, where they fit (`_keeping_refused`); what the start-up
-    line says of it.
+    """Have malloc keep a CPU step's temporaries (`temporaries` bytes a device, on `devices` local
+    devices) from now on, where they fit (`_keeping_refused`); what the start-up line says of it.
+
 
     Why: a buffer above glibc's 32 MiB ceiling is mapped afresh at every allocation and returned to
     the kernel when freed, so every step the kernel clears its pages again (13% of a cpu-study
     step's samples under `perf`) and frees them (a periodic stall with huge pages). Heap memory is
     reused instead: no `mmap` for large blocks, no trimming of a heap's top, a top pad that keeps a
     thread's emptied heap. The cost is memory: each heap holds what it held at its peak, a copy of
-    the buffer in each thread that ran a step (the bound counts KEEP_COPIES), and only a buffer
-    below THREAD_HEAP can be kept. Decided at run time (`mallopt`), once the compiled step says how
-    large its buffer is (benchmarks/README.md, "Keeping the step's buffer")."""
+    the buffer in each thread that ran a step (the bound counts KEEP_COPIES). Decided at run time
+    (`mallopt`), once the compiled step says how large its buffer is (benchmarks/README.md,
+    "Keeping the step's buffer").
+
+    A heap cannot hold a buffer of THREAD_HEAP or more: such a one is parked by keep_blocks.c, which
+    train.py and eval.py preload, switched on here. Up to KEEP_LARGE_COPIES buffers' worth of freed
+    blocks above glibc's MMAP_CEILING are held, each handed back to the next allocation of its size
+    (benchmarks/README.md, "Parking the large buffers")."""
     why = _keeping_refused(temporaries, devices, environ, meminfo)
+    if why is None and temporaries >= THREAD_HEAP:
+        switch = getattr(ctypes.CDLL(None), KEEP_LIBRARY_ON)
+        switch.argtypes, switch.restype = [ctypes.c_size_t, ctypes.c_size_t], None
+        switch(MMAP_CEILING, KEEP_LARGE_COPIES * temporaries)
+        return f"the step's temporaries ({_megabytes(temporaries)}) parked between steps (keep_blocks.c, up to {KEEP_LARGE_COPIES} of them; {KEEP_BUFFERS_OFF}=0: not)"
     if why is None:
         libc = ctypes.CDLL(None)
         done = [
@@ -199,10 +306,14 @@ def _keeping_refused(temporaries: int, devices: int, environ, meminfo: Path) -> 
         return f"no MemAvailable in {meminfo}"
     if devices > 1:  # measured on one device only; the several-device tests then saw a collective time out
         return f"{devices} local devices"
-    if KEEP_COPIES * temporaries > available // KEEP_SHARE:
-        return f"{KEEP_COPIES} of them exceed 1/{KEEP_SHARE} of the {_megabytes(available)} available"
-    if temporaries >= THREAD_HEAP:
-        return f"above the {THREAD_HEAP >> 20} MiB a thread's malloc heap holds"
+    copies = KEEP_LARGE_COPIES if temporaries >= THREAD_HEAP else KEEP_COPIES
+    if copies * temporaries > available // KEEP_SHARE:
+        return f"{copies} of them exceed 1/{KEEP_SHARE} of the {_megabytes(available)} available"
+    if temporaries >= THREAD_HEAP and not _keep_library_loaded():
+        why = keep_library(environ)[1] or "train.py and eval.py preload it, this process was started otherwise"
+        return (
+            f"above the {THREAD_HEAP >> 20} MiB a thread's malloc heap holds, and keep_blocks.c is not preloaded: {why}"
+        )
     return None
 
 

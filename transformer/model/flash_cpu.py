@@ -34,7 +34,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
+
+from transformer.accelerator import compile_library, kernel_cache
 
 if TYPE_CHECKING:
     from transformer.model.flash import Mask
@@ -68,28 +69,10 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def _cache_dir() -> Path:
-    default = Path.home() / ".cache" / "transformer-ablations" / "kernels"
-    return Path(os.environ.get("TRANSFORMER_KERNEL_CACHE", default))
-
-
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
-    """Compile SOURCE into `target`, atomically: processes building at once each write their own
-    file and the last rename wins, an identical library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        command = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise Unavailable(
-                f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}"
-            )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    failure = compile_library([compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE)], target)
+    if failure is not None:
+        raise Unavailable(failure)
 
 
 def _build() -> Path:
@@ -108,7 +91,7 @@ def _build() -> Path:
                 s.encode() for s in (SOURCE.read_text(), jaxlib.__version__, version, " ".join(flags), _cpu_identity())
             )
         ).hexdigest()[:16]
-        target = _cache_dir() / f"flash_cpu-{key}.so"
+        target = kernel_cache() / f"flash_cpu-{key}.so"
         if target.exists():
             return target
         try:
