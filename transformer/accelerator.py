@@ -28,9 +28,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from transformer.native import compile_library, kernel_cache
 
 if TYPE_CHECKING:  # stdlib only at import: train.py and eval.py restart before their heavier imports
     from transformer.config import Config
@@ -178,31 +179,6 @@ def _preload_refused(environ) -> str | None:
 def _keep_library_loaded() -> bool:
     """Is keep_blocks.c in this process (preloaded: loaded later, it would not see glibc's calls)?"""
     return _glibc_version() is not None and hasattr(ctypes.CDLL(None), KEEP_LIBRARY_ON)
-
-
-def kernel_cache() -> Path:
-    """Where the libraries this package compiles on first use are kept (keep_blocks.c here, the
-    fused CPU attention in model/flash_cpu.py)."""
-    default = Path.home() / ".cache" / "transformer-ablations" / "kernels"
-    return Path(os.environ.get("TRANSFORMER_KERNEL_CACHE", default))
-
-
-def compile_library(command: list[str], target: Path) -> str | None:
-    """Run a compiler's `command` with `-o` a file beside `target`, then move it there: processes
-    building at once each write their own file and the last rename wins, an identical library.
-    None once built; else the compiler's last line of complaint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            return f"{command[0]} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
-        os.replace(tmp, target)
-        return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def keep_library(environ=os.environ) -> tuple[Path | None, str]:

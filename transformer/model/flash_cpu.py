@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from transformer.accelerator import compile_library, kernel_cache
+from transformer.native import compile_library, kernel_cache
 
 if TYPE_CHECKING:
     from transformer.model.flash import Mask
