@@ -3,7 +3,7 @@
 // accelerator.keep_step_buffers once a CPU step's buffer is known to be too large for mallopt.
 //
 // Why: glibc maps every block above 32 MiB afresh and unmaps it when freed, and a thread's arena
-// cannot hold one above 64 MiB whatever mallopt says, so XLA:CPU's step buffer (454 MB at
+// cannot hold one above 64 MiB whatever mallopt says, so XLA:CPU's step buffer (474 MB at
 // benchmarks/vs_pytorch.py's t128) is faulted in page by page every step and freed in bulk by the
 // kernel, now and then in the middle of a step. Parked here instead, the next step gets the same
 // pages back (benchmarks/README.md, "Parking the large buffers").
