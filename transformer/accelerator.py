@@ -75,6 +75,7 @@ THREAD_HEAP = 64 << 20
 MEMINFO = Path("/proc/meminfo")
 # a buffer above THREAD_HEAP: parked between steps by a library preloaded into train.py and eval.py
 KEEP_LIBRARY = Path(__file__).with_name("keep_blocks.c")
+KEEP_LIBRARY_BUILT = f"{KEEP_LIBRARY.stem}-"  # how its built copies' names start (keep_library)
 KEEP_LIBRARY_FLAGS = ("-O2", "-fPIC", "-shared", "-pthread")
 KEEP_LIBRARY_ON = "transformer_keep_blocks"  # its switch (keep_blocks.c)
 MMAP_CEILING = 32 << 20  # glibc maps every block above this afresh (its mmap threshold's 64-bit maximum)
@@ -191,7 +192,7 @@ def keep_library(environ=os.environ) -> tuple[Path | None, str]:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
         key = "\0".join((KEEP_LIBRARY.read_text(), version, " ".join(KEEP_LIBRARY_FLAGS), str(_glibc_version())))
-        target = kernel_cache() / f"keep_blocks-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+        target = kernel_cache() / f"{KEEP_LIBRARY_BUILT}{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
         failure = (
             None if target.exists() else compile_library([compiler, *KEEP_LIBRARY_FLAGS, str(KEEP_LIBRARY)], target)
         )
@@ -211,7 +212,9 @@ def restart_with_malloc_tunables(hold: tuple[signal.Signals, ...] = ()) -> None:
     one starts (a compiler, a sweep's members) start without it."""
     if _keep_library_loaded():
         kept = [
-            part for part in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "keep_blocks-" not in part
+            part
+            for part in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+            if KEEP_LIBRARY_BUILT not in part
         ]
         if kept:
             os.environ["LD_PRELOAD"] = " ".join(kept)

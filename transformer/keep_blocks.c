@@ -36,6 +36,15 @@ static size_t smallest = SIZE_MAX;  // SIZE_MAX: off
 static long hits, misses;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
+// Takes parked block i out of the list (the lock held).
+static void *unpark(int i) {
+  void *block = parked[i].block;
+  parked_bytes -= parked[i].size;
+  for (; i + 1 < n_parked; i++) parked[i] = parked[i + 1];
+  n_parked--;
+  return block;
+}
+
 static void *take(size_t size, size_t align) {
   if (size < __atomic_load_n(&smallest, __ATOMIC_RELAXED)) return NULL;
   void *found = NULL;
@@ -48,10 +57,7 @@ static void *take(size_t size, size_t align) {
       best = i;
   }
   if (best >= 0) {
-    found = parked[best].block;
-    parked_bytes -= parked[best].size;
-    for (int i = best; i + 1 < n_parked; i++) parked[i] = parked[i + 1];
-    n_parked--;
+    found = unpark(best);
     hits++;
   } else {
     misses++;
@@ -69,12 +75,7 @@ static int park(void *block) {
   int n_evicted = 0, done = 0;
   pthread_mutex_lock(&lock);
   if (size <= budget) {
-    while (n_parked == SLOTS || parked_bytes + size > budget) {
-      evicted[n_evicted++] = parked[0].block;
-      parked_bytes -= parked[0].size;
-      for (int i = 0; i + 1 < n_parked; i++) parked[i] = parked[i + 1];
-      n_parked--;
-    }
+    while (n_parked == SLOTS || parked_bytes + size > budget) evicted[n_evicted++] = unpark(0);
     parked[n_parked].block = block;
     parked[n_parked].size = size;
     n_parked++;
@@ -94,12 +95,7 @@ void transformer_keep_blocks(size_t from, size_t most) {
   pthread_mutex_lock(&lock);
   budget = most;
   __atomic_store_n(&smallest, most ? from : SIZE_MAX, __ATOMIC_RELAXED);
-  while (n_parked && (!most || parked_bytes > budget)) {
-    evicted[n_evicted++] = parked[0].block;
-    parked_bytes -= parked[0].size;
-    for (int i = 0; i + 1 < n_parked; i++) parked[i] = parked[i + 1];
-    n_parked--;
-  }
+  while (n_parked && (!most || parked_bytes > budget)) evicted[n_evicted++] = unpark(0);
   pthread_mutex_unlock(&lock);
   for (int i = 0; i < n_evicted; i++) __libc_free(evicted[i]);
 }
